@@ -1,0 +1,36 @@
+"""A TreeSpec's tensors moved to the decoding device once, not every step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from medusa.tree import TreeSpec
+
+
+@dataclass(frozen=True)
+class DeviceTree:
+    spec: TreeSpec
+    mask: torch.Tensor  # [N, N] bool, ancestor-or-self
+    depths: torch.Tensor  # [N] long, position offsets
+    parents: torch.Tensor  # [N] long, root -1
+    head_index: torch.Tensor  # [N - 1] long, which head proposes each non-root node
+    ranks: torch.Tensor  # [N - 1] long, its rank in that head's top-k
+    max_topk: int  # how many top-k candidates the deepest-needed head must give
+
+    @classmethod
+    def from_spec(cls, spec: TreeSpec, device: torch.device) -> "DeviceTree":
+        return cls(
+            spec=spec,
+            mask=spec.attention_mask.to(device),
+            depths=spec.depths.to(device),
+            parents=spec.parents.to(device),
+            head_index=spec.head_index[1:].to(device),
+            ranks=spec.ranks[1:].to(device),
+            max_topk=max(spec.topk_per_depth, default=0),
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.spec.num_nodes

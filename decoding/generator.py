@@ -1,0 +1,137 @@
+"""Batch-1 Medusa decoding: prefill, then propose -> verify -> commit until done.
+
+One step forwards the whole tree (root + proposals) with the tree mask, asks the
+verifier for the accepted path, moves that path's KV into place, and proposes
+the next tree from the heads at the deepest accepted node. Plain decoding is the
+same loop with the single-node tree, so comparisons run identical code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.kv_cache import ContiguousKVCache
+from medusa.decoding.proposer import Proposer, propose_from_heads
+from medusa.decoding.sampler import SamplingConfig, sample, target_probs
+from medusa.decoding.verifier import AcceptanceConfig, verify
+from medusa.heads import MedusaHeads
+from medusa.model import DecoderModel
+from medusa.tree import TreeSpec
+
+
+@dataclass
+class DecodeStats:
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted_lengths)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(self.accepted_lengths) / max(self.steps, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Emitted tokens over the whole call, prefill included (what a user waits for)."""
+        total = self.prefill_seconds + self.decode_seconds
+        return sum(self.accepted_lengths) / total if total > 0 else 0.0
+
+
+class TreeDecoder:
+    """Runs one sequence at a time on a contiguous KV cache."""
+
+    def __init__(self, model: DecoderModel, heads: MedusaHeads | None, tree: TreeSpec,
+                 proposer: Proposer = propose_from_heads) -> None:
+        if tree.num_nodes > 1:
+            if heads is None and proposer is propose_from_heads:
+                raise ValueError("a tree with more than one node needs Medusa heads (or a custom proposer)")
+            if heads is not None:
+                tree.check_heads(heads.config.num_heads)
+        self.model, self.heads, self.proposer = model, heads, proposer
+        self.device = model.embed_tokens.weight.device
+        self.tree = DeviceTree.from_spec(tree, self.device)
+        self.stats = DecodeStats()
+
+    @torch.inference_mode()
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
+               acceptance: AcceptanceConfig = AcceptanceConfig()) -> Iterator[list[int]]:
+        """Yield each step's accepted tokens (EOS and length are the caller's business)."""
+        self._check_length(len(prompt_ids), max_new_tokens)
+        generator = _generator(sampling.seed, self.device)
+        cache = ContiguousKVCache(self.model.config, len(prompt_ids) + max_new_tokens + self.tree.num_nodes,
+                                  self.model.embed_tokens.weight.dtype, self.device)
+        self.stats = DecodeStats(prompt_tokens=len(prompt_ids))
+        start = time.perf_counter()
+        root, head_logits = self._prefill(cache, prompt_ids, sampling, generator)
+        self._sync()
+        self.stats.prefill_seconds = time.perf_counter() - start
+        generated: list[int] = []
+        while len(generated) < max_new_tokens:
+            step_start = time.perf_counter()
+            candidates = self.proposer(self.tree, root, head_logits, generated)  # [N]
+            hidden = self._forward(cache, candidates, cache.length + self.tree.depths, self.tree.mask)
+            verdict = verify(self.tree, candidates, self.model.compute_logits(hidden), sampling, acceptance, generator)
+            cache.commit(verdict.accepted)
+            tokens = candidates[verdict.accepted].tolist()
+            root = verdict.next_token
+            head_logits = self._head_logits(hidden[verdict.accepted[-1]])
+            generated.extend(tokens)
+            self.stats.accepted_lengths.append(len(tokens))
+            self.stats.decode_seconds += time.perf_counter() - step_start
+            yield tokens
+
+    def _prefill(self, cache: ContiguousKVCache, prompt_ids: list[int], sampling: SamplingConfig,
+                 generator: torch.Generator | None):
+        ids = torch.tensor(prompt_ids, device=self.device)
+        causal = torch.ones(len(prompt_ids), len(prompt_ids), dtype=torch.bool, device=self.device).tril()
+        hidden = self._forward(cache, ids, torch.arange(len(prompt_ids), device=self.device), causal)
+        cache.commit(torch.arange(len(prompt_ids), device=self.device))
+        last = hidden[-1]
+        logits = self.model.compute_logits(last[None])  # [1, V]
+        root = logits[0].argmax() if sampling.greedy else sample(target_probs(logits, sampling), generator)[0]
+        return root, self._head_logits(last)
+
+    def _forward(self, cache: ContiguousKVCache, ids: torch.Tensor, positions: torch.Tensor,
+                 step_mask: torch.Tensor) -> torch.Tensor:
+        cache.begin(positions, step_mask)
+        return self.model(ids, positions, cache)  # [T, H]
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [H] -> [K, V], or None for plain decoding."""
+        if self.heads is None or self.tree.num_nodes == 1:
+            return None
+        return self.heads(hidden, self.model.lm_head.weight)
+
+    def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        context = self.model.config.max_position_embeddings
+        needed = prompt_len + max_new_tokens + self.tree.spec.max_depth
+        if needed > context:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) + tree depth "
+                f"({self.tree.spec.max_depth}) exceeds the model's context of {context} tokens"
+            )
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator

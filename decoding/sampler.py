@@ -1,0 +1,56 @@
+"""Sampling settings and the target distribution they define.
+
+Every acceptance rule is judged against this distribution: lossless sampling
+means emitted tokens follow exactly `target_probs(base_logits)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k filter
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """[N, V] logits -> [N, V] float32 probabilities after temperature, top-k and top-p."""
+    logits = logits.float() / config.temperature
+    if config.top_k and config.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if config.top_p < 1:
+        logits = _top_p_filter(logits, config.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[N, V] -> [N] one independent draw per row."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

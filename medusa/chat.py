@@ -1,0 +1,38 @@
+"""Chat helpers: validate messages and apply the model's chat template."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+ROLES = ("system", "user", "assistant")
+
+
+def validate_messages(messages: Any) -> list[dict[str, str]]:
+    """Check an OpenAI-style message list; return it as plain dicts."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}")
+        if message["role"] not in ROLES:
+            raise ValueError(f"messages[{i}] has role {message['role']!r}; expected one of {ROLES}")
+        if not isinstance(message["content"], str):
+            raise ValueError(f"messages[{i}].content must be a string")
+        checked.append({"role": message["role"], "content": message["content"]})
+    return checked
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]], system_prompt: str | None = None) -> list[int]:
+    """Token ids of the conversation, ending where the assistant's reply starts.
+
+    `system_prompt` is prepended when the conversation has no system message
+    (SmolLM2 answers far better with its own).
+    """
+    messages = validate_messages(messages)
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this tokenizer has no chat template: pass a plain prompt string or token ids instead")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

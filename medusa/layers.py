@@ -1,0 +1,45 @@
+"""Building blocks of the decoder: RMSNorm and linear layers that load per tensor.
+
+q/k/v and gate/up are fused into one matmul each (fewer kernel launches per
+step), yet weights still arrive one checkpoint tensor at a time: each fused
+layer knows where every shard goes. Tensor parallelism can later swap these for
+column/row-parallel versions with the same `load_shard` contract.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # statistics in float32, as the reference implementations do
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class FusedLinear(nn.Linear):
+    """One Linear whose output rows are the concatenation of named shards."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = (start, start + size)
+            start += size
+
+    def load_shard(self, shard: str, param: str, tensor: torch.Tensor) -> None:
+        start, end = self.shard_offsets[shard]
+        target = getattr(self, param)[start:end]
+        if target.shape != tensor.shape:
+            raise ValueError(f"shard {shard}.{param}: expected shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)

@@ -1,0 +1,229 @@
+"""The public face: `MedusaModel.from_pretrained(...).generate(...)`.
+
+It ties together the base model, its heads, a tokenizer and a tree, turns user
+input (text, chat messages or token ids) into ids, and drives the decoder.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from medusa.chat import chat_prompt_ids
+from medusa.decoding.detokenizer import IncrementalDetokenizer
+from medusa.decoding.generator import DecodeStats, TreeDecoder
+from medusa.decoding.sampler import SamplingConfig
+from medusa.decoding.tree_select import choose_tree
+from medusa.decoding.verifier import AcceptanceConfig
+from medusa.heads import MedusaHeads
+from medusa.loading import default_device, default_dtype, load_base_model
+from medusa.model import DecoderModel
+from medusa.tree import TreeSpec
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prompt_tokens: int
+    accepted_lengths: list[int]  # tokens emitted by each verification step
+    tokens_per_second: float
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted_lengths)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return len(self.token_ids) / max(self.steps, 1)
+
+
+class GenerationStream:
+    """Iterate for text deltas as tokens are accepted; `.result` once it is exhausted."""
+
+    def __init__(self, chunks: Iterator[str]) -> None:
+        self._chunks = chunks
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.result = yield from self._chunks
+
+
+class MedusaModel:
+    def __init__(self, base: DecoderModel, tokenizer: Any, heads: MedusaHeads | None = None,
+                 tree: TreeSpec | str | None = None, system_prompt: str | None = None) -> None:
+        self.base, self.tokenizer, self.heads = base, tokenizer, heads
+        self.system_prompt = system_prompt
+        self.eos_token_ids = _eos_ids(base, tokenizer)
+        self._tree_choice = tree
+        self._decoders: dict[TreeSpec, TreeDecoder] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, heads: str | Path | MedusaHeads | None = None,
+                        tree: TreeSpec | str | None = None, dtype: torch.dtype | None = None,
+                        device: str | torch.device | None = None) -> "MedusaModel":
+        """A checkpoint folder or .gguf (None: the default model) with its heads.
+
+        heads: a heads folder/file in our, FasterDecoding's or TGI's format, a
+        MedusaHeads, or None (the default model's shipped heads; no heads, i.e.
+        plain decoding, for any other model). tree: a TreeSpec, a named tree,
+        "auto" (measure step cost on this device), or None (the heads' own tree,
+        else "auto").
+        """
+        from medusa import default_model
+
+        device = torch.device(device) if device is not None else default_device()
+        dtype = dtype or default_dtype(device)
+        system_prompt = None
+        if path is None:
+            path, system_prompt = default_model.default_model_path(), default_model.DEFAULT_SYSTEM_PROMPT
+            if heads is None:
+                heads = default_model.default_heads_path()
+        base = load_base_model(path, dtype=dtype, device=device)
+        tokenizer = _load_tokenizer(path)
+        if isinstance(heads, (str, Path)):
+            heads = MedusaHeads.from_pretrained(heads, lm_head_weight=base.lm_head.weight, dtype=dtype, device=device)
+        if isinstance(heads, MedusaHeads):
+            _check_heads_fit(heads, base)
+            heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        return cls(base, tokenizer, heads, tree, system_prompt)
+
+    # ---- generation -------------------------------------------------------
+
+    def generate(self, inputs: str | Sequence[dict] | Sequence[int] | torch.Tensor | Sequence[str],
+                 max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False,
+                 speculative: bool = True, tree: TreeSpec | str | None = None, acceptance: str = "auto",
+                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3):
+        """Generate from a prompt string, chat messages, or token ids.
+
+        Greedy (temperature 0) output is identical to plain greedy decoding;
+        sampling is lossless unless acceptance="typical". A list of prompt
+        strings returns a list of results. With stream=True, returns a
+        GenerationStream of text deltas.
+        """
+        if _is_prompt_list(inputs):
+            if stream:
+                raise ValueError("stream=True takes a single prompt, not a list")
+            return [self.generate(p, max_new_tokens, temperature, top_p, top_k, seed, stop, False,
+                                  speculative, tree, acceptance, posterior_threshold, posterior_alpha)
+                    for p in inputs]
+        prompt_ids = self.encode(inputs)
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        accept = AcceptanceConfig(rule=acceptance, posterior_threshold=posterior_threshold,
+                                  posterior_alpha=posterior_alpha)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        decoder = self.decoder(tree if speculative else "single")
+        chunks = self._run(decoder, prompt_ids, max_new_tokens, sampling, accept, stops)
+        if stream:
+            return GenerationStream(chunks)
+        stream_obj = GenerationStream(chunks)
+        for _ in stream_obj:
+            pass
+        return stream_obj.result
+
+    def chat(self, message: str | Sequence[dict], **kwargs):
+        """generate() on a chat conversation; a string is one user message."""
+        messages = [{"role": "user", "content": message}] if isinstance(message, str) else message
+        return self.generate(messages, **kwargs)
+
+    def encode(self, inputs: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:
+        if isinstance(inputs, str):
+            return self.tokenizer(inputs, add_special_tokens=False)["input_ids"]
+        if isinstance(inputs, torch.Tensor):
+            if inputs.dim() > 1 and inputs.shape[0] != 1:
+                raise ValueError(f"input_ids must be one sequence, got shape {tuple(inputs.shape)}")
+            inputs = inputs.reshape(-1).tolist()
+        if isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], dict):
+            return chat_prompt_ids(self.tokenizer, inputs, self.system_prompt)
+        if isinstance(inputs, (list, tuple)) and all(isinstance(t, int) for t in inputs):
+            vocab = self.base.config.vocab_size
+            bad = [t for t in inputs if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            return list(inputs)
+        raise TypeError("inputs must be a prompt string, a list of chat messages, or a list of token ids")
+
+    def decoder(self, tree: TreeSpec | str | None = None) -> TreeDecoder:
+        """The decoder for a tree (cached per tree); None means the model's default choice."""
+        spec = self.resolve_tree(tree)
+        if spec not in self._decoders:
+            self._decoders[spec] = TreeDecoder(self.base, self.heads if spec.num_nodes > 1 else None, spec)
+        return self._decoders[spec]
+
+    def resolve_tree(self, tree: TreeSpec | str | None = None) -> TreeSpec:
+        """Explicit argument, else the model's tree, else "auto" (measured on this device)."""
+        choice = tree if tree is not None else self._tree_choice
+        if self.heads is None:
+            if _is_speculative(choice):
+                warnings.warn("no Medusa heads loaded: decoding without speculation", stacklevel=3)
+            return TreeSpec.load("single")
+        if choice is None or choice == "auto":
+            choice = choose_tree(self.base, self.heads)
+            self._tree_choice = choice  # measure once per model
+        return choice if isinstance(choice, TreeSpec) else TreeSpec.load(choice)
+
+    def _run(self, decoder: TreeDecoder, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
+             acceptance: AcceptanceConfig, stops: list[str]):
+        detok = IncrementalDetokenizer(self.tokenizer, stops)
+        finish = "length"
+        emitted: list[int] = []
+        for tokens in decoder.decode(prompt_ids, max_new_tokens, sampling, acceptance):
+            tokens = tokens[: max_new_tokens - len(emitted)]
+            eos_at = next((i for i, t in enumerate(tokens) if t in self.eos_token_ids), None)
+            if eos_at is not None:
+                tokens, finish = tokens[:eos_at], "stop"
+            emitted.extend(tokens)
+            delta = detok.add(tokens)
+            if detok.stopped:
+                finish = "stop"
+            if delta:
+                yield delta
+            if finish == "stop" or len(emitted) >= max_new_tokens:
+                break
+        tail = detok.flush()
+        if tail:
+            yield tail
+        stats = decoder.stats
+        return GenerationResult(text=detok.text, token_ids=emitted, finish_reason=finish,
+                                prompt_tokens=len(prompt_ids), accepted_lengths=list(stats.accepted_lengths),
+                                tokens_per_second=len(emitted) / max(stats.prefill_seconds + stats.decode_seconds, 1e-9))
+
+
+def _is_speculative(tree: TreeSpec | str | None) -> bool:
+    if isinstance(tree, TreeSpec):
+        return tree.num_nodes > 1
+    return tree not in (None, "single", "auto")
+
+
+def _is_prompt_list(inputs: Any) -> bool:
+    return isinstance(inputs, (list, tuple)) and bool(inputs) and all(isinstance(p, str) for p in inputs)
+
+
+def _eos_ids(base: DecoderModel, tokenizer: Any) -> frozenset[int]:
+    ids = set(base.config.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _check_heads_fit(heads: MedusaHeads, base: DecoderModel) -> None:
+    if heads.config.hidden_size != base.config.hidden_size or heads.config.vocab_size != base.config.vocab_size:
+        raise ValueError(
+            f"heads were built for hidden size {heads.config.hidden_size} and vocabulary {heads.config.vocab_size}, "
+            f"but the base model has {base.config.hidden_size} and {base.config.vocab_size}"
+        )

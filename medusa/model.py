@@ -1,0 +1,153 @@
+"""A compact decoder for the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2).
+
+Our own code, written for our engine: the caller passes explicit positions (tree
+nodes share positions with their siblings) and an `AttentionBackend` that owns
+the KV cache and the mask. Tokens may carry any leading shape: `[T]` for the
+engine's flat layout, `[B, T]` for training.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from medusa.attention import AttentionBackend
+from medusa.config import ModelConfig
+from medusa.layers import FusedLinear, RMSNorm
+from medusa.rope import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attn: AttentionBackend) -> torch.Tensor:
+        lead = x.shape[:-1]  # [..., T]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(*lead, self.num_heads, self.head_dim)  # [..., T, Hq, D]
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)  # [..., T, Hkv, D]
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = attn(self.layer, q, k, v)  # [..., T, Hq, D]
+        return self.o_proj(out.reshape(*lead, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rotary, attn):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers, final norm and lm_head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head when the config says so (again after to_empty)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions [..., T] -> final hidden states [..., T, H] (normed)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V]"""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors one at a time; refuse missing or unexpected ones."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb" in hf_name:
+                continue  # some checkpoints store inv_freq; we compute it
+            name, shard = _to_our_name(hf_name)
+            if name not in params:
+                raise ValueError(f"unexpected tensor {hf_name!r} for a {self.config.model_type} model")
+            param = params[name]
+            tensor = tensor.to(param.dtype)
+            if shard is not None:
+                module_name, param_name = name.rsplit(".", 1)
+                self.get_submodule(module_name).load_shard(shard, param_name, tensor)
+                loaded.add(f"{name}:{shard}")
+                continue
+            if param.shape != tensor.shape:
+                raise ValueError(f"tensor {hf_name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(self._expected_tensors() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _expected_tensors(self) -> set[str]:
+        expected = set()
+        for name, module in self.named_modules():
+            for pname, _ in module.named_parameters(recurse=False):
+                full = f"{name}.{pname}" if name else pname
+                if isinstance(module, FusedLinear):
+                    expected.update(f"{full}:{shard}" for shard in module.shard_offsets)
+                elif not (full == "lm_head.weight" and self.config.tie_word_embeddings):
+                    expected.add(full)
+        return expected
+
+
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+
+
+def _to_our_name(hf_name: str) -> tuple[str, str | None]:
+    """'model.layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj.weight', 'k')."""
+    name = hf_name.removeprefix("model.")
+    for hf_part, (ours, shard) in _FUSED.items():
+        if f".{hf_part}." in name:
+            return name.replace(hf_part, ours), shard
+    return name, None

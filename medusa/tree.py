@@ -1,0 +1,319 @@
+"""Medusa candidate trees: a set of top-k rank paths and the tensors derived from it.
+
+A path is a tuple of top-k ranks. ``(0,)`` is head 0's top-1 token; ``(0, 1)`` is
+head 1's top-2 token placed after it. Node 0 is the root: the token the base model
+already chose. The node for path ``p`` sits at depth ``len(p)`` and carries token
+``topk(head[len(p) - 1])[p[-1]]``. Nodes are numbered root first, then paths in
+canonical order (by depth, then lexicographic), so a parent always precedes its
+children and every tensor below can be built in one forward sweep.
+
+The spec is immutable; its tensors are computed once on first use and shared, so
+callers must not modify them in place.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import numbers
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+TreePath = tuple[int, ...]
+TREES_DIR = Path(__file__).resolve().parent.parent / "configs" / "trees"
+
+
+def _canonical_key(path: TreePath) -> tuple[int, TreePath]:
+    return (len(path), path)
+
+
+def _check_path(path: Any) -> TreePath:
+    """One path as a tuple of ints, or a ValueError that names it."""
+    if not isinstance(path, (tuple, list)):
+        raise ValueError(f"path {path!r} is not a sequence of top-k ranks")
+    if len(path) == 0:
+        raise ValueError("path () is empty; the root is implicit, leave it out")
+    for rank in path:
+        # bool is an Integral, but True as a rank is certainly a bug
+        if not isinstance(rank, numbers.Integral) or isinstance(rank, bool):
+            raise ValueError(f"path {tuple(path)!r} has a non-integer rank {rank!r}")
+        if rank < 0:
+            raise ValueError(f"path {tuple(path)!r} has a negative rank {rank}")
+    return tuple(int(r) for r in path)
+
+
+def _canonical_paths(paths: Iterable[Any]) -> tuple[TreePath, ...]:
+    """Validate and sort: unique, prefix-closed, ordered by depth then lexicographic."""
+    if isinstance(paths, (str, bytes)):
+        raise ValueError(f"paths must be a sequence of paths, got {paths!r}")
+    checked = [_check_path(p) for p in paths]
+    seen: set[TreePath] = set()
+    for p in checked:
+        if p in seen:
+            raise ValueError(f"path {p!r} appears more than once")
+        seen.add(p)
+    ordered = sorted(checked, key=_canonical_key)
+    # Checking the immediate prefix suffices: by induction all shorter ones exist.
+    for p in ordered:
+        if len(p) > 1 and p[:-1] not in seen:
+            raise ValueError(
+                f"path {p!r} is missing its prefix {p[:-1]!r}; paths must be prefix-closed"
+            )
+    return tuple(ordered)
+
+
+def _accuracy_table(accuracies: Any) -> torch.Tensor:
+    """accuracies[h][r] = P(head h's rank-r token is correct), as float64 [num_heads, K]."""
+    table = torch.as_tensor(accuracies, dtype=torch.float64)
+    if table.ndim != 2:
+        raise ValueError(f"accuracies must be 2-D [num_heads, K], got shape {tuple(table.shape)}")
+    if not bool(torch.isfinite(table).all()) or bool((table < 0).any() or (table > 1).any()):
+        raise ValueError("accuracies must be probabilities in [0, 1]")
+    return table
+
+
+@dataclass(frozen=True, repr=False)
+class TreeSpec:
+    """A validated Medusa tree. ``paths`` excludes the root and is stored canonically."""
+
+    paths: tuple[TreePath, ...] = ()
+    # Labels only: two specs with the same paths are the same tree.
+    name: str | None = field(default=None, compare=False)
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "paths", _canonical_paths(self.paths))
+        if self.name is not None and not isinstance(self.name, str):
+            raise ValueError(f"tree name must be a string, got {self.name!r}")
+
+    # ---- construction -------------------------------------------------------------
+
+    @classmethod
+    def from_paths(cls, paths: Iterable[Sequence[int]], num_heads: int | None = None,
+                   name: str | None = None, description: str = "") -> "TreeSpec":
+        spec = cls(tuple(paths), name=name, description=description)
+        if num_heads is not None:
+            spec.check_heads(num_heads)
+        return spec
+
+    @classmethod
+    def chain(cls, n: int, name: str | None = None) -> "TreeSpec":
+        """Top-1 of each of the first n heads: plain (non-tree) speculation, n + 1 nodes."""
+        if n < 0:
+            raise ValueError(f"chain length must be >= 0, got {n}")
+        return cls(tuple((0,) * d for d in range(1, n + 1)), name=name)
+
+    def check_heads(self, num_heads: int) -> None:
+        """Raise if some path is deeper than the positions the heads predict."""
+        for p in self.paths:
+            if len(p) > num_heads:
+                raise ValueError(
+                    f"path {p!r} has depth {len(p)} but the heads predict only "
+                    f"{num_heads} positions"
+                )
+
+    # ---- derived shape and tensors ------------------------------------------------
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 + len(self.paths)
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.paths[-1]) if self.paths else 0
+
+    @cached_property
+    def _index(self) -> dict[TreePath, int]:
+        return {(): 0, **{p: i + 1 for i, p in enumerate(self.paths)}}
+
+    @cached_property
+    def parents(self) -> torch.Tensor:  # [N] long, root -1
+        idx = self._index
+        return torch.tensor([-1] + [idx[p[:-1]] for p in self.paths], dtype=torch.long)
+
+    @cached_property
+    def depths(self) -> torch.Tensor:  # [N] long, root 0
+        return torch.tensor([0] + [len(p) for p in self.paths], dtype=torch.long)
+
+    @property
+    def position_offsets(self) -> torch.Tensor:  # [N]: a node's position = root position + depth
+        return self.depths
+
+    @cached_property
+    def ranks(self) -> torch.Tensor:  # [N] long, root 0
+        return torch.tensor([0] + [p[-1] for p in self.paths], dtype=torch.long)
+
+    @cached_property
+    def head_index(self) -> torch.Tensor:  # [N] long
+        """Which Medusa head proposes each node's token: depth - 1; the root has -1
+        because its token comes from the base model's LM head, not a Medusa head."""
+        return self.depths - 1
+
+    @cached_property
+    def attention_mask(self) -> torch.Tensor:  # [N, N] bool, mask[i, j]: j is ancestor-or-self of i
+        n = self.num_nodes
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        parents = self.parents.tolist()
+        for i in range(n):
+            if parents[i] >= 0:  # parents precede children, so their row is complete
+                mask[i] = mask[parents[i]]
+            mask[i, i] = True
+        return mask
+
+    @cached_property
+    def is_leaf(self) -> torch.Tensor:  # [N] bool
+        leaf = torch.ones(self.num_nodes, dtype=torch.bool)
+        leaf[self.parents[1:]] = False
+        return leaf
+
+    @property
+    def num_leaves(self) -> int:
+        return int(self.is_leaf.sum())
+
+    @cached_property
+    def retrieve_indices(self) -> torch.Tensor:  # [num_leaves, max_depth + 1] long, -1 padded
+        """Node indices along each root-to-leaf path (root first), one row per leaf in
+        node order; the verifier reads candidate sequences and their logits through it."""
+        parents = self.parents.tolist()
+        rows = []
+        for leaf in torch.nonzero(self.is_leaf).flatten().tolist():
+            chain = [leaf]
+            while parents[chain[-1]] >= 0:
+                chain.append(parents[chain[-1]])
+            chain.reverse()
+            rows.append(chain + [-1] * (self.max_depth + 1 - len(chain)))
+        return torch.tensor(rows, dtype=torch.long)
+
+    @cached_property
+    def topk_per_depth(self) -> tuple[int, ...]:
+        """For depth d = 1..max_depth, how many top-k candidates head d-1 must supply."""
+        k = [0] * self.max_depth
+        for p in self.paths:
+            k[len(p) - 1] = max(k[len(p) - 1], p[-1] + 1)
+        return tuple(k)
+
+    @cached_property
+    def ancestor_bits(self) -> torch.Tensor:  # [N] int64: bit j set iff mask[i, j]
+        """The attention mask packed one row per int64, for kernels. Bit 63 is the
+        sign bit, so node 63's bit makes the value negative; test bits with shifts."""
+        if self.num_nodes > 64:
+            raise ValueError(
+                f"ancestor_bits packs the mask into int64 and needs <= 64 nodes; "
+                f"tree {self.name!r} has {self.num_nodes}"
+            )
+        parents = self.parents.tolist()
+        bits = [0] * self.num_nodes
+        for i in range(self.num_nodes):
+            bits[i] = (bits[parents[i]] if parents[i] >= 0 else 0) | (1 << i)
+        signed = [b - (1 << 64) if b >= (1 << 63) else b for b in bits]
+        return torch.tensor(signed, dtype=torch.int64)
+
+    # ---- acceptance model and search -----------------------------------------------
+
+    def expected_accept_length(self, accuracies: Any) -> float:
+        """Expected tokens per step: 1 (the root) + sum over nodes of the product of
+        per-head marginal accuracies along the node's path (Medusa's independence
+        approximation). accuracies: [num_heads, K] array-like."""
+        table = _accuracy_table(accuracies)
+        num_heads, k = table.shape
+        prob = {(): 1.0}
+        for p in self.paths:  # canonical order: the parent is already done
+            if len(p) > num_heads:
+                raise ValueError(f"path {p!r} needs head {len(p) - 1} but accuracies "
+                                 f"cover only {num_heads} heads")
+            if p[-1] >= k:
+                raise ValueError(f"path {p!r} uses rank {p[-1]} of head {len(p) - 1} but "
+                                 f"accuracies give only {k} ranks")
+            prob[p] = prob[p[:-1]] * float(table[len(p) - 1, p[-1]])
+        return sum(prob.values())
+
+    @classmethod
+    def search(cls, accuracies: Any, num_nodes: int, name: str | None = None) -> "TreeSpec":
+        """Greedy tree of num_nodes nodes (root included) maximising the expected accept
+        length: repeatedly add the frontier path of highest probability. Since every
+        accuracy is <= 1 a child is never likelier than its parent, so this picks the
+        top paths overall and is optimal for the expectation. Ties go to the path
+        first in canonical order, so the result is deterministic."""
+        table = _accuracy_table(accuracies)
+        num_heads, k = table.shape
+        acc = table.tolist()
+        capacity = sum(k**d for d in range(num_heads + 1))
+        if not 1 <= num_nodes <= capacity:
+            raise ValueError(f"num_nodes must be in [1, {capacity}] for {num_heads} heads "
+                             f"and top-{k}, got {num_nodes}")
+        # heap entries: (-probability, depth, path); depth then path = canonical order
+        frontier: list[tuple[float, int, TreePath]] = []
+
+        def push_children(parent: TreePath, prob: float) -> None:
+            if len(parent) < num_heads:
+                for r in range(k):
+                    heapq.heappush(frontier, (-prob * acc[len(parent)][r], len(parent) + 1,
+                                              parent + (r,)))
+
+        push_children((), 1.0)
+        chosen: list[TreePath] = []
+        while len(chosen) + 1 < num_nodes:
+            neg_prob, _, path = heapq.heappop(frontier)
+            chosen.append(path)
+            push_children(path, -neg_prob)
+        return cls(tuple(chosen), name=name)
+
+    # ---- serialisation ------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description,
+                "paths": [list(p) for p in self.paths]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TreeSpec":
+        unknown = set(d) - {"name", "description", "paths"}
+        if unknown:
+            raise ValueError(f"unknown tree spec keys {sorted(unknown)}; "
+                             f"expected name, description, paths")
+        if "paths" not in d:
+            raise ValueError("tree spec has no 'paths'")
+        return cls(tuple(d["paths"]), name=d.get("name"), description=d.get("description", ""))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(_format_json(self.to_dict()))
+
+    @classmethod
+    def load(cls, path_or_name: str | Path) -> "TreeSpec":
+        """Load a JSON file, or a named tree from configs/trees when given a bare name."""
+        text = str(path_or_name)
+        is_name = (isinstance(path_or_name, str) and "/" not in text and "\\" not in text
+                   and not text.endswith(".json"))
+        if is_name:
+            file = TREES_DIR / f"{text}.json"
+            if not file.is_file():
+                raise ValueError(f"unknown tree {text!r}; available: "
+                                 f"{', '.join(available_trees()) or '(none)'}")
+        else:
+            file = Path(path_or_name)
+        spec = cls.from_dict(json.loads(file.read_text()))
+        if spec.name is None and is_name:
+            spec = cls(spec.paths, name=text, description=spec.description)
+        return spec
+
+    def __repr__(self) -> str:
+        return f"TreeSpec(name={self.name!r}, nodes={self.num_nodes}, depth={self.max_depth})"
+
+
+def _format_json(d: dict[str, Any]) -> str:
+    """JSON with one path per line: readable and diffable, unlike indent=2's one int per line."""
+    paths = ",\n".join(f"    {json.dumps(p)}" for p in d["paths"])
+    paths = f"[\n{paths}\n  ]" if paths else "[]"
+    return ("{\n"
+            f'  "name": {json.dumps(d["name"])},\n'
+            f'  "description": {json.dumps(d["description"])},\n'
+            f'  "paths": {paths}\n'
+            "}\n")
+
+
+def available_trees() -> list[str]:
+    """Names of the trees shipped in configs/trees, sorted."""
+    return sorted(p.stem for p in TREES_DIR.glob("*.json"))
