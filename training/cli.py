@@ -1,0 +1,91 @@
+"""`medusa-train`: train Medusa heads (`train`) and measure them (`eval`).
+
+    medusa-train train --config medusa1-smollm2 train.epochs=2 output_dir=out/run1
+    medusa-train train --config medusa1-smollm2 --resume
+    medusa-train eval --heads out/run1/heads --tree searched
+    accelerate launch -m medusa.training.cli train --config medusa1-smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="medusa-train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="self-distil, train heads, search their tree")
+    train.add_argument("--config", default=None, help="recipe name in configs/train/ or a YAML path")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    train.add_argument("--tree-name", default=None, help="also write the searched tree to configs/trees/<name>.json")
+    train.add_argument("overrides", nargs="*", help="section.key=value (e.g. train.lr=5e-4)")
+    train.set_defaults(run=_train)
+    ev = commands.add_parser("eval", help="head accuracy and accepted length on held-out data")
+    ev.add_argument("--heads", required=True)
+    ev.add_argument("--model", default=None, help="base model (default: the default model)")
+    ev.add_argument("--tree", default=None, help="named tree or JSON (default: the heads' own tree)")
+    ev.add_argument("--config", default=None, help="recipe whose data settings define the held-out split")
+    ev.add_argument("overrides", nargs="*")
+    ev.set_defaults(run=_eval)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"medusa-train {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _train(args) -> int:
+    from medusa.training.config import load_config
+    from medusa.training.pipeline import run_training
+    from medusa.training.trainer import TrainingDivergedError
+
+    config = load_config(args.config, args.overrides)
+    try:
+        summary = run_training(config, resume=args.resume, tree_name=args.tree_name)
+    except TrainingDivergedError as err:
+        print(f"medusa-train train: stopped: {err}", file=sys.stderr)
+        return 3
+    if args.tree_name:
+        from pathlib import Path
+
+        from medusa.tree import TREES_DIR, TreeSpec
+
+        TreeSpec.load(Path(config.output_dir) / "heads" / "tree.json").save(TREES_DIR / f"{args.tree_name}.json")
+    print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+    return 0
+
+
+def _eval(args) -> int:
+    from pathlib import Path
+
+    from medusa.heads import MedusaHeads
+    from medusa.training.config import load_config
+    from medusa.training.data import batches
+    from medusa.training.distill import self_distill
+    from medusa.training.evaluate import evaluate_heads
+    from medusa.training.pipeline import _first, gather_conversations, load_base
+    from medusa.tree import TreeSpec
+
+    config = load_config(args.config, args.overrides)
+    base, tokenizer, model_id, system_prompt, eos = load_base(args.model or config.model)
+    heads = MedusaHeads.from_pretrained(args.heads, lm_head_weight=base.lm_head.weight).float().to(base.lm_head.weight.device)
+    tree = TreeSpec.load(args.tree) if args.tree else TreeSpec.from_paths(heads.config.tree or [], name="heads")
+    conversations, sources = gather_conversations(config)
+    cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"
+    _, heldout = self_distill(base, tokenizer, conversations, sources, model_id, config.data, cache,
+                              config.seed, system_prompt, eos)
+    subset = _first(heldout, config.eval.max_sequences)
+    rank = max(config.eval.max_rank, max(tree.topk_per_depth, default=1))
+    result = evaluate_heads(base, heads, batches(subset, config.train.max_tokens_per_batch, 0, 0), tree, rank)
+    print(json.dumps({"top1": result.topk_accuracy(1), "top5": result.topk_accuracy(5), "tree_nodes": tree.num_nodes,
+                      "mean_accepted_length": result.mean_accepted_length,
+                      "steps": len(result.accepted_lengths)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

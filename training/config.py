@@ -1,0 +1,166 @@
+"""Training configuration: YAML recipes in configs/train/ plus command-line overrides.
+
+Sections are frozen dataclasses that validate themselves; `load_config` merges
+a recipe with `section.key=value` overrides, refusing unknown keys by name (a
+typo must not silently train with a default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "configs" / "train"
+
+
+@dataclass(frozen=True)
+class HeadsSection:
+    num_heads: int = 4
+    num_layers: int = 1
+    lm_head: str = "shared"
+    lora_rank: int = 16
+
+
+@dataclass(frozen=True)
+class DataSection:
+    sources: list[str] | None = None  # None: GSM8K train + Self-Instruct from ../shared/data
+    limit: int | None = None  # conversations per source file
+    max_new_tokens: int = 320
+    samples_per_prompt: int = 1  # sampled answers per prompt, besides the greedy one
+    sample_temperature: float = 0.7
+    distill_batch_size: int = 256
+    holdout_fraction: float = 0.02
+    cache_dir: str | None = None  # None: <output_dir>/distill
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.samples_per_prompt < 0 or self.distill_batch_size < 1:
+            raise ValueError("data: max_new_tokens and distill_batch_size must be >= 1, samples_per_prompt >= 0")
+        if not 0 <= self.holdout_fraction < 1:
+            raise ValueError(f"data.holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    epochs: int = 3
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.05
+    max_tokens_per_batch: int = 8192
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    decay: float = 0.8  # head k's loss weight is decay**k
+    mixed_precision: str = "auto"  # auto: bf16 on a GPU, no on the CPU
+    save_every: int = 500  # optimizer steps between checkpoints (0: only at the end)
+    log_every: int = 10
+    max_steps: int | None = None  # stop early (tests, quick runs)
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.lr <= 0 or self.grad_accum < 1 or self.max_tokens_per_batch < 16:
+            raise ValueError("train: epochs >= 1, lr > 0, grad_accum >= 1, max_tokens_per_batch >= 16")
+        if self.mixed_precision not in ("auto", "bf16", "fp16", "no"):
+            raise ValueError(f"train.mixed_precision must be auto, bf16, fp16 or no, got {self.mixed_precision!r}")
+
+
+@dataclass(frozen=True)
+class Medusa2Section:
+    enabled: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    target_modules: list[str] = field(default_factory=lambda: ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    base_lr: float = 5e-5  # the heads keep train.lr, larger: they start from scratch
+    heads_weight: float = 0.2  # lambda: total = KL(base) + lambda * heads loss
+    heads_weight_warmup_steps: int = 200  # lambda ramps up from 0 so early head noise cannot move the base
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    tree_nodes: int = 64  # the searched tree saved with the heads
+    max_rank: int = 10
+    max_sequences: int = 200
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    output_dir: str = "out/medusa-heads"
+    model: str | None = None  # None: the default model
+    seed: int = 0
+    heads: HeadsSection = field(default_factory=HeadsSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    medusa2: Medusa2Section = field(default_factory=Medusa2Section)
+    eval: EvalSection = field(default_factory=EvalSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        return _build(cls, data, "")
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """A recipe name (configs/train/<name>.yaml) or path, then `a.b=value` overrides (YAML-parsed values)."""
+    data: dict[str, Any] = {}
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.suffix:
+            path = RECIPES_DIR / f"{recipe}.yaml"
+        if not path.is_file():
+            known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+            raise FileNotFoundError(f"no training recipe {recipe!r}; named recipes: {', '.join(known)}")
+        data = yaml.safe_load(path.read_text()) or {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} must look like section.key=value")
+        _set(data, key.split("."), yaml.safe_load(value))
+    return TrainConfig.from_dict(data)
+
+
+def _set(data: dict[str, Any], keys: list[str], value: Any) -> None:
+    for key in keys[:-1]:
+        data = data.setdefault(key, {})
+    data[keys[-1]] = value
+
+
+def _build(cls, data: dict[str, Any], where: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"config section {where or 'root'} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown config key(s) {', '.join(where + k for k in unknown)}; "
+                         f"known in {where or 'root'}: {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        sub = fields[name].default_factory if fields[name].default_factory is not dataclasses.MISSING else None
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+            value = _build(sub, value, f"{where}{name}.")
+        else:
+            value = _coerce(value, hints[name], where + name)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """YAML reads `3e-3` as a string and `1` as an int: bring scalars to the field's type."""
+    options = typing.get_args(hint) or (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ValueError(f"config key {key} must not be null")
+    for kind in (bool, int, float):
+        if kind in options:
+            if kind is bool and not isinstance(value, bool):
+                raise ValueError(f"config key {key} must be true or false, got {value!r}")
+            try:
+                return value if kind is bool else kind(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"config key {key} must be a {kind.__name__}, got {value!r}") from None
+    return value

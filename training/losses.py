@@ -1,0 +1,56 @@
+"""Training losses: per-head cross-entropy with decay (Medusa-1), KL distillation (Medusa-2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class HeadLoss:
+    loss: torch.Tensor  # [] sum over heads of decay**k * CE_k
+    per_head_ce: torch.Tensor  # [K] detached
+    per_head_top1: torch.Tensor  # [K] detached accuracy on the valid targets
+    num_targets: torch.Tensor  # [K] how many positions each head was scored on
+
+
+def head_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int):
+    """Head k at position t predicts token t + k + 2 (head 0 guesses one past the base's next token).
+
+    input_ids, loss_mask [B, T] -> targets [K, B, T] (0 where invalid), valid [K, B, T] bool.
+    """
+    batch, length = input_ids.shape
+    targets = input_ids.new_zeros(num_heads, batch, length)
+    valid = torch.zeros(num_heads, batch, length, dtype=torch.bool, device=input_ids.device)
+    for k in range(num_heads):
+        shift = k + 2
+        if shift < length:
+            targets[k, :, : length - shift] = input_ids[:, shift:]
+            valid[k, :, : length - shift] = loss_mask[:, shift:]
+    return targets, valid
+
+
+def medusa_loss(head_logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                decay: float = 0.8) -> HeadLoss:
+    """head_logits [K, B, T, V]; loss only where the target is a response token."""
+    num_heads = head_logits.shape[0]
+    targets, valid = head_targets(input_ids, loss_mask, num_heads)
+    ce = F.cross_entropy(head_logits.float().flatten(0, 2), targets.flatten(), reduction="none")
+    ce = ce.view_as(targets) * valid
+    counts = valid.sum((1, 2))  # [K]
+    per_head = ce.sum((1, 2)) / counts.clamp(min=1)
+    weights = decay ** torch.arange(num_heads, device=ce.device, dtype=ce.dtype)
+    with torch.no_grad():
+        hits = (head_logits.argmax(-1) == targets) & valid
+        top1 = hits.sum((1, 2)) / counts.clamp(min=1)
+    return HeadLoss((weights * per_head).sum(), per_head.detach(), top1.float(), counts)
+
+
+def kl_distillation(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) per token, averaged over mask [B, T]; logits [B, T, V]."""
+    teacher = F.log_softmax(teacher_logits.float(), -1)
+    student = F.log_softmax(student_logits.float(), -1)
+    kl = (teacher.exp() * (teacher - student)).sum(-1)  # [B, T]
+    return (kl * mask).sum() / mask.sum().clamp(min=1)

@@ -1,0 +1,123 @@
+"""The whole `medusa-train` job: data -> self-distillation -> training -> eval -> tree -> saved heads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from medusa.heads import MedusaHeads
+from medusa.loading import load_base_model
+from medusa.model import DecoderModel
+from medusa.training.config import TrainConfig
+from medusa.training.data import Sequences, batches, default_sources, load_conversations
+from medusa.training.distill import self_distill
+from medusa.training.evaluate import EvalResult, evaluate_heads
+from medusa.training.trainer import Trainer
+from medusa.tree import TreeSpec
+
+
+def load_base(model: str | None, dtype: torch.dtype | None = None):
+    """(base model, tokenizer, model id, system prompt, EOS ids) for a path or the default model."""
+    from transformers import AutoTokenizer
+
+    from medusa import default_model
+
+    system_prompt = None
+    if model is None:
+        path, system_prompt = default_model.default_model_path(), default_model.DEFAULT_SYSTEM_PROMPT
+        model_id = default_model.DEFAULT_MODEL_NAME
+    else:
+        path, model_id = Path(model), str(model)
+    base = load_base_model(path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    eos = set(base.config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    return base, tokenizer, model_id, system_prompt, sorted(eos)
+
+
+def gather_conversations(config: TrainConfig) -> tuple[list, list[Path]]:
+    sources = [Path(s) for s in config.data.sources] if config.data.sources else default_sources()
+    conversations = []
+    for source in sources:
+        conversations += load_conversations(source, limit=config.data.limit)
+    return conversations, sources
+
+
+def run_training(config: TrainConfig, resume: bool = False, tree_name: str | None = None) -> dict:
+    output = Path(config.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    timings, start = {}, time.perf_counter()
+    base, tokenizer, model_id, system_prompt, eos = load_base(config.model)
+    conversations, sources = gather_conversations(config)
+    cache = Path(config.data.cache_dir) if config.data.cache_dir else output / "distill"
+    train, heldout = self_distill(base, tokenizer, conversations, sources, model_id, config.data, cache,
+                                  config.seed, system_prompt, eos)
+    timings["distill_s"] = time.perf_counter() - start
+    trainer = Trainer(config, base, train, base_name=model_id)
+    trainer.train(resume=resume)
+    timings["train_s"] = time.perf_counter() - start - timings["distill_s"]
+    heads = trainer.unwrapped_heads().float().eval()
+    eval_base = _merged_student(trainer) if config.medusa2.enabled else base
+    summary = finish_heads(eval_base, heads, heldout, config, output / "heads", tree_name)
+    if config.medusa2.enabled:
+        save_adapter(trainer.base, output / "heads")
+    summary.update(timings, distill_sequences=len(train), distill_tokens=train.num_tokens,
+                   heldout_sequences=len(heldout), steps=trainer.state.step, history=trainer.state.history)
+    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def finish_heads(base: DecoderModel, heads: MedusaHeads, heldout: Sequences, config: TrainConfig,
+                 out_dir: Path, tree_name: str | None = None) -> dict:
+    """Measure accuracies, search the tree for them, measure its accepted length, save everything."""
+    ev = config.eval
+    subset = _first(heldout, ev.max_sequences)
+    accuracy = evaluate_heads(base, heads, batches(subset, config.train.max_tokens_per_batch, 0, 0), max_rank=ev.max_rank)
+    tree = TreeSpec.search(accuracy.accuracies, ev.tree_nodes, name=tree_name or f"searched-{ev.tree_nodes}")
+    measured = evaluate_heads(base, heads, batches(subset, config.train.max_tokens_per_batch, 0, 0), tree=tree,
+                              max_rank=max(ev.max_rank, max(tree.topk_per_depth, default=1)))
+    heads.config = dataclasses.replace(heads.config, tree=[list(p) for p in tree.paths],
+                                       accuracies=accuracy.accuracies)
+    heads.save_pretrained(out_dir)
+    tree.save(out_dir / "tree.json")
+    return _summary(accuracy, measured, tree)
+
+
+def _summary(accuracy: EvalResult, measured: EvalResult, tree: TreeSpec) -> dict:
+    return {
+        "top1": accuracy.topk_accuracy(1), "top5": accuracy.topk_accuracy(5),
+        "tree_nodes": tree.num_nodes, "tree_depth": tree.max_depth,
+        "expected_accepted_length": tree.expected_accept_length(accuracy.accuracies),
+        "heldout_mean_accepted_length": measured.mean_accepted_length,
+        "heldout_steps": len(measured.accepted_lengths), "heldout_targets": accuracy.num_targets,
+    }
+
+
+def _first(seqs: Sequences, n: int) -> Sequences:
+    return seqs.select(range(min(n, len(seqs))))
+
+
+def _merged_student(trainer: Trainer) -> DecoderModel:
+    """The LoRA-adapted base, merged, as inference will run it."""
+    import copy
+
+    return copy.deepcopy(trainer.base).merge_and_unload().eval()
+
+
+def save_adapter(peft_model, out_dir: Path) -> None:
+    """LoRA weights under our own module names + their config, for `medusa.adapter.merge_lora`."""
+    from safetensors.torch import save_file
+
+    cfg = peft_model.peft_config["default"]
+    state = {}
+    for name, tensor in peft_model.state_dict().items():
+        if "lora_" in name:
+            clean = name.removeprefix("base_model.model.").replace(".default", "")
+            state[clean] = tensor.detach().float().cpu().contiguous()
+    save_file(state, str(out_dir / "adapter.safetensors"))
+    meta = {"r": cfg.r, "lora_alpha": cfg.lora_alpha, "target_modules": sorted(cfg.target_modules)}
+    (out_dir / "adapter_config.json").write_text(json.dumps(meta, indent=2))

@@ -1,0 +1,232 @@
+"""The training loop: Medusa-1 (frozen base, heads only) and Medusa-2 (LoRA base + heads).
+
+Runs under `accelerate` (one process here, `accelerate launch -m
+medusa.training.cli ...` for many GPUs: each process takes every n-th batch).
+Checkpoints hold heads, adapter, optimizer, scheduler, RNG and the data
+position, so a resumed run continues exactly where it stopped. A non-finite
+loss stops the run before the optimizer touches the weights, so the last
+checkpoint stays the last good state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from medusa.attention import CausalAttention
+from medusa.heads import HeadsConfig, MedusaHeads
+from medusa.model import DecoderModel
+from medusa.training.config import TrainConfig
+from medusa.training.data import Sequences, batch_plan, batches
+from medusa.training.losses import kl_distillation, medusa_loss
+
+
+class TrainingDivergedError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainState:
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of this epoch already consumed (all processes)
+    step: int = 0  # optimizer steps
+    history: list[dict] = field(default_factory=list)  # logged metrics
+
+
+def cosine_with_warmup(optimizer: torch.optim.Optimizer, warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(total - warmup, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, base: DecoderModel, data: Sequences, base_name: str | None = None) -> None:
+        self.config, self.data = config, data
+        t = config.train
+        precision = t.mixed_precision
+        if precision == "auto":
+            precision = "bf16" if torch.cuda.is_available() else "no"
+        self.accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=t.grad_accum)
+        set_seed(config.seed)
+        base = base.to(self.accelerator.device)
+        self.heads = MedusaHeads(HeadsConfig(
+            hidden_size=base.config.hidden_size, vocab_size=base.config.vocab_size,
+            num_heads=config.heads.num_heads, num_layers=config.heads.num_layers,
+            lm_head=config.heads.lm_head, lora_rank=config.heads.lora_rank, base_model=base_name))
+        if config.heads.lm_head == "full":
+            self.heads.init_full_lm_heads(base.lm_head.weight.float())
+        self.base = _with_adapter(base, config) if config.medusa2.enabled else base.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self._param_groups(), weight_decay=t.weight_decay)
+        self.total_steps = self._count_steps()
+        self.scheduler = cosine_with_warmup(self.optimizer, int(t.warmup_ratio * self.total_steps), self.total_steps)
+        self.heads, self.optimizer, self.scheduler = self.accelerator.prepare(self.heads, self.optimizer, self.scheduler)
+        if config.medusa2.enabled:
+            self.accelerator.register_for_checkpointing(_AdapterState(self.base))
+        self.state = TrainState()
+        self.output = Path(config.output_dir)
+
+    def _param_groups(self) -> list[dict]:
+        groups = [{"params": list(self.heads.parameters()), "lr": self.config.train.lr}]
+        if self.config.medusa2.enabled:
+            lora = [p for p in self.base.parameters() if p.requires_grad]
+            groups.append({"params": lora, "lr": self.config.medusa2.base_lr})
+        return groups
+
+    def _count_steps(self) -> int:
+        t = self.config.train
+        total = 0
+        for epoch in range(t.epochs):  # batch counts differ a little between epochs
+            per_epoch = len(batch_plan(self.data, t.max_tokens_per_batch, self.config.seed, epoch))
+            total += math.ceil(math.ceil(per_epoch / self.accelerator.num_processes) / t.grad_accum)
+        return min(total, t.max_steps) if t.max_steps else total
+
+    # ---- the loop -----------------------------------------------------------
+
+    def train(self, resume: bool = False) -> TrainState:
+        if resume:
+            self._resume()
+        t, acc = self.config.train, self.accelerator
+        bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not acc.is_local_main_process,
+                   desc="medusa-train", dynamic_ncols=True)
+        for epoch in range(self.state.epoch, t.epochs):
+            skip = self.state.batch_in_epoch if epoch == self.state.epoch else 0
+            self.state.epoch, self.state.batch_in_epoch = epoch, skip
+            for index, batch in enumerate(batches(self.data, t.max_tokens_per_batch, self.config.seed, epoch, skip=skip)):
+                self.state.batch_in_epoch = skip + index + 1
+                if (skip + index) % acc.num_processes != acc.process_index:
+                    continue
+                metrics = self._train_batch(batch)
+                if metrics is None:
+                    continue  # still accumulating gradients
+                self._after_step(metrics, bar)
+                if t.max_steps and self.state.step >= t.max_steps:
+                    return self._finish(bar)
+            self.state.batch_in_epoch = 0
+            self.state.epoch = epoch + 1
+        return self._finish(bar)
+
+    def _train_batch(self, batch) -> dict | None:
+        acc = self.accelerator
+        ids, mask = batch.input_ids.to(acc.device), batch.loss_mask.to(acc.device)
+        with acc.accumulate(self.heads):
+            with acc.autocast():
+                loss, metrics = self._loss(ids, mask)
+            if not torch.isfinite(loss):
+                raise TrainingDivergedError(
+                    f"loss became {loss.item()} at step {self.state.step + 1} (epoch {self.state.epoch}); "
+                    f"stopped before updating weights. Last good checkpoint: {self._latest_checkpoint()}. "
+                    "Try a lower train.lr or train.max_grad_norm.")
+            acc.backward(loss)
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(self._trainable(), self.config.train.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad()
+        return metrics if acc.sync_gradients else None
+
+    def _loss(self, ids: torch.Tensor, mask: torch.Tensor):
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        m2 = self.config.medusa2
+        if m2.enabled:
+            hidden = self.base(ids, positions, CausalAttention())
+            with torch.no_grad(), self.base.disable_adapter():
+                teacher = self.base(ids, positions, CausalAttention())
+            lm_head = self.base.get_base_model().lm_head
+            kl = kl_distillation(lm_head(hidden), lm_head(teacher), mask)
+        else:
+            with torch.no_grad():
+                hidden = self.base(ids, positions, CausalAttention())
+            lm_head = self.base.lm_head
+        heads = medusa_loss(self.heads(hidden, lm_head.weight), ids, mask, self.config.train.decay)
+        metrics = {"heads_loss": heads.loss.item(), **{f"top1_{k}": v for k, v in enumerate(heads.per_head_top1.tolist())}}
+        if not m2.enabled:
+            return heads.loss, metrics
+        weight = m2.heads_weight * min(1.0, (self.state.step + 1) / max(m2.heads_weight_warmup_steps, 1))
+        metrics["kl"] = kl.item()
+        return kl + weight * heads.loss, metrics
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _after_step(self, metrics: dict, bar) -> None:
+        self.state.step += 1
+        t = self.config.train
+        if self.state.step % t.log_every == 0 or self.state.step == 1:
+            metrics = {"step": self.state.step, "lr": self.scheduler.get_last_lr()[0], **metrics}
+            self.state.history.append(metrics)
+            bar.set_postfix({k: (round(v, 3) if isinstance(v, float) else v) for k, v in metrics.items() if k != "step"})
+        bar.update(1)
+        if t.save_every and self.state.step % t.save_every == 0:
+            self.save_checkpoint()
+
+    def _finish(self, bar) -> TrainState:
+        bar.close()
+        self.save_checkpoint()
+        return self.state
+
+    # ---- checkpoints -------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        path = self.output / "checkpoints" / f"step-{self.state.step:07d}"
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(str(path))
+        if self.accelerator.is_main_process:
+            state = {"epoch": self.state.epoch, "batch_in_epoch": self.state.batch_in_epoch, "step": self.state.step}
+            (path / "trainer_state.json").write_text(json.dumps(state))
+            (path / "train_config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+        return path
+
+    def _latest_checkpoint(self) -> Path | None:
+        found = sorted((self.output / "checkpoints").glob("step-*"))
+        found = [p for p in found if (p / "trainer_state.json").is_file()]
+        return found[-1] if found else None
+
+    def _resume(self) -> None:
+        path = self._latest_checkpoint()
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.output / 'checkpoints'}")
+        self.accelerator.load_state(str(path))
+        saved = json.loads((path / "trainer_state.json").read_text())
+        self.state = TrainState(epoch=saved["epoch"], batch_in_epoch=saved["batch_in_epoch"], step=saved["step"])
+
+    def unwrapped_heads(self) -> MedusaHeads:
+        return self.accelerator.unwrap_model(self.heads)
+
+    def clean_checkpoints(self, keep_last: int = 1) -> None:
+        found = sorted((self.output / "checkpoints").glob("step-*"))
+        for path in found[:-keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class _AdapterState:
+    """Lets accelerate save and restore the LoRA weights (only those) in a checkpoint."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state, strict=False)
+
+
+def _with_adapter(base: DecoderModel, config: TrainConfig):
+    from peft import LoraConfig, get_peft_model
+
+    m2 = config.medusa2
+    base.requires_grad_(False)
+    lora = LoraConfig(r=m2.lora_r, lora_alpha=m2.lora_alpha, target_modules=list(m2.target_modules), lora_dropout=0.0)
+    return get_peft_model(base, lora)
