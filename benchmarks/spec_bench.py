@@ -1,0 +1,160 @@
+"""Spec-Bench, greedy, batch 1: plain decoding vs Medusa on our decoder vs Hugging Face `generate`.
+
+    python benchmarks/spec_bench.py --out out/spec_bench               # full: all 480 questions
+    python benchmarks/spec_bench.py --per-category 5 --hf-per-category 1 --out out/sb
+    python benchmarks/spec_bench.py --quick --out out/sb-quick         # CPU smoke run (CI)
+
+Writes results.json (per category and overall: tokens/s of each system, Medusa's
+speedup over plain and over HF, mean accepted length, how many greedy outputs
+were identical) and, when matplotlib is installed, speedup.png. All systems run
+in the same process on the same weights, so the ratios are side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from medusa.medusa_model import MedusaModel
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench.jsonl"
+
+
+def load_questions(path: Path, per_category: int | None) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    taken: dict[str, int] = defaultdict(int)
+    out = []
+    for row in rows:
+        if per_category is None or taken[row["category"]] < per_category:
+            taken[row["category"]] += 1
+            out.append(row)
+    return out
+
+
+def run_ours(model: MedusaModel, question: dict, max_new_tokens: int, speculative: bool) -> list[dict]:
+    """Every turn of the question; later turns see the model's own earlier answers."""
+    messages, turns = [], []
+    for turn in question["turns"]:
+        messages.append({"role": "user", "content": turn})
+        result = model.generate(list(messages), max_new_tokens=max_new_tokens, speculative=speculative)
+        messages.append({"role": "assistant", "content": result.text})
+        turns.append({"tokens": len(result.token_ids), "seconds": len(result.token_ids) / max(result.tokens_per_second, 1e-9),
+                      "steps": result.steps, "ids": result.token_ids})
+    return turns
+
+
+def run_hf(hf, model: MedusaModel, question: dict, max_new_tokens: int) -> dict:
+    ids = torch.tensor([model.encode([{"role": "user", "content": question["turns"][0]}])], device=hf.device)
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    out = hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    sync()
+    return {"tokens": out.shape[1] - ids.shape[1], "seconds": time.perf_counter() - start}
+
+
+def summarise(records: list[dict]) -> dict:
+    def rate(system):
+        toks = sum(t["tokens"] for r in records for t in r[system])
+        secs = sum(t["seconds"] for r in records for t in r[system])
+        return toks / secs if secs else 0.0
+
+    plain, medusa = rate("plain"), rate("medusa")
+    steps = sum(t["steps"] for r in records for t in r["medusa"])
+    tokens = sum(t["tokens"] for r in records for t in r["medusa"])
+    pairs = [(p["ids"], m["ids"]) for r in records for p, m in zip(r["plain"], r["medusa"])]
+    hf_records = [r for r in records if r.get("hf")]
+    out = {"questions": len(records), "plain_tok_s": plain, "medusa_tok_s": medusa,
+           "speedup_vs_plain": medusa / plain if plain else None,
+           "mean_accepted_length": tokens / max(steps, 1),
+           "identical_greedy_turns": sum(a == b for a, b in pairs), "turns": len(pairs)}
+    if hf_records:
+        hf_rate = sum(r["hf"]["tokens"] for r in hf_records) / sum(r["hf"]["seconds"] for r in hf_records)
+        out.update(hf_tok_s=hf_rate, hf_questions=len(hf_records), speedup_vs_hf=medusa / hf_rate)
+    return out
+
+
+def plot(summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    cats = [c for c in summary["categories"]]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.bar(cats, [summary["categories"][c]["speedup_vs_plain"] for c in cats], color="#4c72b0")
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.set_ylabel("Medusa speedup over plain decoding")
+    ax.set_title(f"Spec-Bench, greedy, batch 1 (overall {summary['overall']['speedup_vs_plain']:.2f}x, "
+                 f"mean accepted length {summary['overall']['mean_accepted_length']:.2f})")
+    plt.xticks(rotation=35, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default=None)
+    p.add_argument("--heads", default=None)
+    p.add_argument("--tree", default=None)
+    p.add_argument("--data", default=str(SPEC_BENCH))
+    p.add_argument("--per-category", type=int, default=None)
+    p.add_argument("--hf-per-category", type=int, default=0, help="questions per category for the HF baseline")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--quick", action="store_true", help="1 question per category, 16 tokens: a CPU smoke run")
+    args = p.parse_args()
+    if args.quick:
+        args.per_category, args.max_new_tokens, args.hf_per_category = 1, 16, min(args.hf_per_category, 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads, tree=args.tree)
+    tree = model.resolve_tree()
+    hf = _load_hf(model) if args.hf_per_category else None
+    questions = load_questions(Path(args.data), args.per_category)
+    model.generate("warm up", max_new_tokens=4)
+    model.generate("warm up", max_new_tokens=4, speculative=False)
+    records, hf_taken = [], defaultdict(int)
+    for q in tqdm(questions, desc="spec-bench", dynamic_ncols=True):
+        rec = {"category": q["category"], "plain": run_ours(model, q, args.max_new_tokens, False),
+               "medusa": run_ours(model, q, args.max_new_tokens, True)}
+        if hf is not None and hf_taken[q["category"]] < args.hf_per_category:
+            hf_taken[q["category"]] += 1
+            rec["hf"] = run_hf(hf, model, q, args.max_new_tokens)
+        records.append(rec)
+    by_cat = defaultdict(list)
+    for r in records:
+        by_cat[r["category"]].append(r)
+    summary = {"device": _device_name(), "tree_nodes": tree.num_nodes, "max_new_tokens": args.max_new_tokens,
+               "dtype": str(model.base.embed_tokens.weight.dtype), "overall": summarise(records),
+               "categories": {c: summarise(rs) for c, rs in by_cat.items()}}
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    plot(summary, out / "speedup.png")
+    print(json.dumps(summary["overall"], indent=2))
+
+
+def _load_hf(model: MedusaModel):
+    import transformers
+
+    from medusa import default_model
+
+    path = default_model.default_model_path()  # the benchmark's HF baseline is the default model
+    device = model.base.embed_tokens.weight.device
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=model.base.embed_tokens.weight.dtype).to(device).eval()
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    main()
