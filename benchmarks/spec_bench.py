@@ -22,8 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from medusa.medusa_model import MedusaModel
+from medusa.training.data import DATA_DIR
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench.jsonl"
+SPEC_BENCH = DATA_DIR / "spec_bench.jsonl"
 
 
 def load_questions(path: Path, per_category: int | None) -> list[dict]:

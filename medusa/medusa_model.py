@@ -13,6 +13,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from medusa.adapter import has_adapter, merge_lora
 from medusa.chat import chat_prompt_ids
 from medusa.decoding.detokenizer import IncrementalDetokenizer
 from medusa.decoding.generator import DecodeStats, TreeDecoder
@@ -87,6 +88,8 @@ class MedusaModel:
         base = load_base_model(path, dtype=dtype, device=device)
         tokenizer = _load_tokenizer(path)
         if isinstance(heads, (str, Path)):
+            if has_adapter(heads):  # Medusa-2: the heads were trained with a LoRA on the base
+                merge_lora(base, heads)
             heads = MedusaHeads.from_pretrained(heads, lm_head_weight=base.lm_head.weight, dtype=dtype, device=device)
         if isinstance(heads, MedusaHeads):
             _check_heads_fit(heads, base)

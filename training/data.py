@@ -12,6 +12,7 @@ resumable order.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import tempfile
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 Conversation = list[dict[str, str]]
 
 # ../shared/data next to the repository: the prompt sources listed in SOURCES.md.
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = Path(os.environ.get("MEDUSA_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 DEFAULT_SOURCES: tuple[Path, ...] = tuple(
     DATA_DIR / name
     for name in ("gsm8k_train.jsonl", "self_instruct_seed_tasks.jsonl", "self_instruct_user_oriented.jsonl")

@@ -5,7 +5,6 @@ initialised heads and (b) an oracle proposer that makes whole paths accept.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,11 +13,12 @@ from medusa.decoding.generator import TreeDecoder
 from medusa.decoding.sampler import SamplingConfig
 from medusa.heads import HeadsConfig, MedusaHeads
 from medusa.medusa_model import MedusaModel
+from medusa.training.data import DATA_DIR
 from medusa.tree import TreeSpec
 from oracle import OracleProposer
 
 pytestmark = pytest.mark.slow
-SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench.jsonl"
+SPEC_BENCH = DATA_DIR / "spec_bench.jsonl"
 NEW_TOKENS = 64
 
 

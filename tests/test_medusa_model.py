@@ -1,0 +1,102 @@
+"""The public face on the real default model: inputs, streaming, stops, errors, and logits vs transformers."""
+
+import pytest
+import torch
+
+from medusa.attention import CausalAttention
+from medusa.medusa_model import MedusaModel
+
+pytestmark = pytest.mark.slow
+QUESTION = "A baker makes 24 muffins and sells them in boxes of 4. How many boxes does she sell?"
+
+
+@pytest.fixture(scope="module")
+def model(default_model_dir):
+    return MedusaModel.from_pretrained(device="cpu", tree="tree-8")
+
+
+def test_default_model_logits_match_transformers(model, default_model_dir):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([model.encode([{"role": "user", "content": QUESTION}])])
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        ours = model.base.compute_logits(model.base(ids, positions, CausalAttention()))
+        theirs = hf(ids).logits
+    assert (ours - theirs).abs().max().item() < 1e-3
+
+
+def test_shipped_heads_and_system_prompt_are_used(model):
+    assert model.heads is not None and model.heads.config.base_model == "SmolLM2-135M-Instruct"
+    text = model.tokenizer.decode(model.encode([{"role": "user", "content": "hi"}]))
+    assert "You are a helpful AI assistant named SmolLM" in text
+
+
+def test_stream_equals_non_stream_and_reports_stats(model):
+    full = model.chat(QUESTION, max_new_tokens=40)
+    stream = model.chat(QUESTION, max_new_tokens=40, stream=True)
+    deltas = list(stream)
+    assert "".join(deltas) == full.text == stream.result.text
+    assert stream.result.token_ids == full.token_ids
+    assert len(full.token_ids) <= 40 and full.steps == len(full.accepted_lengths)
+    assert full.mean_accepted_length == pytest.approx(len(full.token_ids) / full.steps)
+    assert full.mean_accepted_length > 1.0  # the shipped heads do accept on a math prompt
+    assert full.tokens_per_second > 0
+
+
+def test_plain_and_medusa_agree_and_inputs_are_equivalent(model):
+    medusa = model.chat(QUESTION, max_new_tokens=32)
+    plain = model.chat(QUESTION, max_new_tokens=32, speculative=False)
+    assert medusa.token_ids == plain.token_ids and plain.mean_accepted_length == 1.0
+    ids = model.encode([{"role": "user", "content": QUESTION}])
+    assert model.generate(ids, max_new_tokens=32).token_ids == medusa.token_ids
+    assert model.generate(torch.tensor([ids]), max_new_tokens=32).token_ids == medusa.token_ids
+
+
+def test_stop_strings_length_and_eos(model):
+    free = model.chat(QUESTION, max_new_tokens=48)
+    word = free.text.split()[3]
+    cut = model.chat(QUESTION, max_new_tokens=48, stop=[word])
+    assert cut.finish_reason == "stop" and word not in cut.text and free.text.startswith(cut.text)
+    short = model.chat(QUESTION, max_new_tokens=5)
+    assert short.finish_reason == "length" and len(short.token_ids) == 5
+    done = model.chat("Say only the word yes.", max_new_tokens=64)
+    assert done.finish_reason == "stop" and len(done.token_ids) < 64  # ended at <|im_end|>
+
+
+def test_seeded_sampling_is_reproducible_and_typical_runs(model):
+    a = model.chat(QUESTION, max_new_tokens=24, temperature=0.8, seed=3)
+    b = model.chat(QUESTION, max_new_tokens=24, temperature=0.8, seed=3)
+    assert a.token_ids == b.token_ids
+    typical = model.chat(QUESTION, max_new_tokens=24, temperature=0.8, seed=3, acceptance="typical")
+    assert len(typical.token_ids) == 24 or typical.finish_reason == "stop"
+
+
+def test_list_of_prompts_returns_a_list(model):
+    outs = model.generate(["Hello", "The capital of France is"], max_new_tokens=4)
+    assert isinstance(outs, list) and len(outs) == 2 and all(len(o.token_ids) == 4 for o in outs)
+
+
+@pytest.mark.parametrize("bad, error", [
+    ([{"role": "wizard", "content": "x"}], "role"),
+    ([], "empty"),
+    ([10**9], "outside the vocabulary"),
+    ({"prompt": "x"}, "prompt string"),
+])
+def test_bad_inputs_are_named(model, bad, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        model.generate(bad, max_new_tokens=2)
+
+
+def test_bad_settings_are_named(model):
+    with pytest.raises(ValueError, match="temperature"):
+        model.chat("x", temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        model.chat("x", top_p=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.chat("x", max_new_tokens=0)
+    with pytest.raises(ValueError, match="context"):
+        model.chat("x", max_new_tokens=10**6)
+    with pytest.raises(ValueError, match="acceptance"):
+        model.chat("x", acceptance="optimistic")
