@@ -17,7 +17,7 @@ import torch
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.kv_cache import ContiguousKVCache
 from medusa.decoding.proposer import Proposer, propose_from_heads
-from medusa.decoding.sampler import SamplingConfig, sample, target_probs
+from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
 from medusa.decoding.verifier import AcceptanceConfig, verify
 from medusa.heads import MedusaHeads
 from medusa.model import DecoderModel
@@ -66,12 +66,12 @@ class TreeDecoder:
                acceptance: AcceptanceConfig = AcceptanceConfig()) -> Iterator[list[int]]:
         """Yield each step's accepted tokens (EOS and length are the caller's business)."""
         self._check_length(len(prompt_ids), max_new_tokens)
-        generator = _generator(sampling.seed, self.device)
+        sampler = TokenSampler(sampling.seed)
         cache = ContiguousKVCache(self.model.config, len(prompt_ids) + max_new_tokens + self.tree.num_nodes,
                                   self.model.embed_tokens.weight.dtype, self.device)
         self.stats = DecodeStats(prompt_tokens=len(prompt_ids))
         start = time.perf_counter()
-        root, head_logits = self._prefill(cache, prompt_ids, sampling, generator)
+        root, head_logits = self._prefill(cache, prompt_ids, sampling, sampler)
         self._sync()
         self.stats.prefill_seconds = time.perf_counter() - start
         generated: list[int] = []
@@ -79,7 +79,8 @@ class TreeDecoder:
             step_start = time.perf_counter()
             candidates = self.proposer(self.tree, root, head_logits, generated)  # [N]
             hidden = self._forward(cache, candidates, cache.length + self.tree.depths, self.tree.mask)
-            verdict = verify(self.tree, candidates, self.model.compute_logits(hidden), sampling, acceptance, generator)
+            logits = self.model.compute_logits(hidden)
+            verdict = verify(self.tree, candidates, logits, sampling, acceptance, sampler, len(generated) + 1)
             cache.commit(verdict.accepted)
             tokens = candidates[verdict.accepted].tolist()
             root = verdict.next_token
@@ -90,14 +91,15 @@ class TreeDecoder:
             yield tokens
 
     def _prefill(self, cache: ContiguousKVCache, prompt_ids: list[int], sampling: SamplingConfig,
-                 generator: torch.Generator | None):
+                 sampler: TokenSampler):
         ids = torch.tensor(prompt_ids, device=self.device)
         causal = torch.ones(len(prompt_ids), len(prompt_ids), dtype=torch.bool, device=self.device).tril()
         hidden = self._forward(cache, ids, torch.arange(len(prompt_ids), device=self.device), causal)
         cache.commit(torch.arange(len(prompt_ids), device=self.device))
         last = hidden[-1]
         logits = self.model.compute_logits(last[None])  # [1, V]
-        root = logits[0].argmax() if sampling.greedy else sample(target_probs(logits, sampling), generator)[0]
+        first = torch.zeros(1, dtype=torch.long, device=self.device)  # output index 0
+        root = logits[0].argmax() if sampling.greedy else sampler(target_probs(logits, sampling), first)[0]
         return root, self._head_logits(last)
 
     def _forward(self, cache: ContiguousKVCache, ids: torch.Tensor, positions: torch.Tensor,
@@ -128,10 +130,3 @@ class TreeDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-
-def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -51,6 +52,30 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+class TokenSampler:
+    """Draws one token per row of probabilities.
+
+    With a seed, the draw for output position p uses a uniform that depends only
+    on (seed, p) (inverse-CDF sampling), so a seeded request gives the same text
+    whatever tree it was verified with and whatever else shares its batch, and
+    the same text as plain decoding with that seed. Each emitted token still
+    gets a fresh uniform (one per output position), so sampling stays exact.
+    """
+
+    def __init__(self, seed: int | None) -> None:
+        self.seed = seed
+
+    def __call__(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """probs [N, V]; positions [N] output index of each row's token -> tokens [N]."""
+        if self.seed is None:
+            return torch.multinomial(probs, 1).squeeze(-1)
+        uniforms = torch.tensor([np.random.default_rng([self.seed, p]).random() for p in positions.tolist()],
+                                dtype=torch.float64, device=probs.device)
+        cdf = probs.double().cumsum(-1)  # [N, V]
+        tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None]).squeeze(-1)
+        return tokens.clamp(max=probs.shape[-1] - 1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """[N, V] -> [N] one independent draw per row."""
+    """[N, V] -> [N] one independent draw per row from a torch generator (batched self-distillation)."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from medusa.decoding.device_tree import DeviceTree
-from medusa.decoding.sampler import SamplingConfig, sample, target_probs
+from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
 
 ACCEPTANCE_RULES = ("auto", "typical")
 
@@ -47,14 +47,18 @@ class Verdict:
 
 
 def verify(tree: DeviceTree, candidates: torch.Tensor, logits: torch.Tensor, sampling: SamplingConfig,
-           acceptance: AcceptanceConfig, generator: torch.Generator | None = None) -> Verdict:
-    """candidates [N] tree tokens; logits [N, V] base logits at each node."""
+           acceptance: AcceptanceConfig, sampler: TokenSampler | None = None, position: int = 0) -> Verdict:
+    """candidates [N] tree tokens; logits [N, V] base logits at each node.
+
+    position: the output index of the root's child (the token a plain step would
+    produce next); node i's target is output number position + depth(i).
+    """
     if sampling.greedy:
         targets = logits.argmax(-1)  # [N]
         child_ok = candidates[1:] == targets[tree.parents[1:]]
     else:
         probs = target_probs(logits, sampling)  # [N, V]
-        targets = sample(probs, generator)
+        targets = (sampler or TokenSampler(None))(probs, position + tree.depths)
         if acceptance.rule == "typical":
             child_ok = _typical_ok(probs, candidates, tree.parents, acceptance)
         else:

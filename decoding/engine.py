@@ -1,0 +1,266 @@
+"""LLMEngine: continuous batching with Medusa tree verification for every sequence.
+
+    engine = LLMEngine(model, heads, EngineConfig(), tokenizer)
+    rid = engine.add_request("Hello", SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+Each step: schedule -> build candidates from each decoding sequence's heads ->
+one forward for the whole batch -> verify per sequence -> compact KV ->
+append tokens, check stops, free finished sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence as Seq
+
+import torch
+
+from medusa.decoding.block_manager import BlockManager
+from medusa.decoding.detokenizer import IncrementalDetokenizer
+from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.model_runner import ModelRunner
+from medusa.decoding.proposer import propose_from_heads
+from medusa.decoding.sampler import TokenSampler, target_probs
+from medusa.decoding.sampling_params import SamplingParams
+from medusa.decoding.scheduler import Scheduler, SchedulerConfig, prefill_target
+from medusa.decoding.sequence import FinishReason, Sequence
+from medusa.decoding.verifier import AcceptanceConfig, verify
+from medusa.heads import MedusaHeads
+from medusa.model import DecoderModel
+from medusa.tree import TreeSpec
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int = 512
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trees: tuple[str, ...] = ("single", "tree-4", "tree-8", "tree-16", "tree-32", "tree-64")
+
+
+@dataclass
+class RequestStats:
+    steps: int = 0  # verification steps
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0  # drafted tokens the base agreed with
+    accepted_per_depth: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1 + self.accepted_tokens / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    token_ids: list[int]  # all output tokens so far
+    text: str
+    stats: RequestStats
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    params: SamplingParams
+    sampler: TokenSampler
+    detok: IncrementalDetokenizer | None
+    head_logits: torch.Tensor | None = None  # [K, V] proposals for the pending root
+    new_text: str = ""  # released by the detokenizer since the last output
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+class LLMEngine:
+    def __init__(self, model: DecoderModel, heads: MedusaHeads | None, config: EngineConfig = EngineConfig(),
+                 tokenizer: Any = None, eos_token_ids: Seq[int] = ()) -> None:
+        self.model, self.heads, self.config, self.tokenizer = model, heads, config, tokenizer
+        self.device = model.embed_tokens.weight.device
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        trees = [TreeSpec.load(t) for t in config.trees] if heads is not None else [TreeSpec.load("single")]
+        trees = [t for t in trees if heads is None or t.max_depth <= heads.config.num_heads]
+        self.scheduler = Scheduler(config.scheduler, self.blocks, trees)
+        self.runner = ModelRunner(model, self.blocks, config.num_blocks)
+        self.eos = set(eos_token_ids) | set(model.config.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._device_trees: dict[TreeSpec, DeviceTree] = {}
+
+    # ---- public API ------------------------------------------------------
+
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None) -> str:
+        if params.n != 1:
+            raise ValueError("n > 1 is not supported by the engine yet; submit n requests with different seeds")
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        context = self.model.config.max_position_embeddings
+        if len(ids) + params.max_tokens + 8 > context:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of {context}")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        self.requests[rid] = _Request(Sequence(rid, ids), params, TokenSampler(params.seed), detok)
+        self.scheduler.add(self.requests[rid].seq)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request_id)
+        request.seq.finish(FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams()
+                 ) -> list[RequestOutput]:
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    # ---- one step --------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        tree = self._device_tree(plan.tree)
+        candidates = {item.seq.request_id: self._propose(item.seq, tree)
+                      for item in plan.scheduled if not item.is_prefill}
+        inputs = self.runner.prepare(plan, candidates)
+        hidden = self.runner.run(inputs)  # [T, H]
+        outputs = []
+        for item, start in zip(plan.scheduled, inputs.starts):
+            request = self.requests[item.seq.request_id]
+            rows = hidden[start:start + item.num_tokens]
+            if item.is_prefill:
+                new = self._after_prefill(request, item.num_tokens, rows)
+            else:
+                new = self._after_verify(request, tree, candidates[item.seq.request_id], rows)
+            if new is not None:
+                outputs.append(self._output(request, new))
+        return outputs
+
+    def _propose(self, seq: Sequence, tree: DeviceTree) -> torch.Tensor:
+        root = torch.tensor(seq.output_token_ids[-1], device=self.device)
+        return propose_from_heads(tree, root, self.requests[seq.request_id].head_logits, seq.output_token_ids)
+
+    def _after_prefill(self, request: _Request, n: int, rows: torch.Tensor) -> list[int] | None:
+        seq = request.seq
+        self.blocks.commit(seq, n)
+        if seq.num_computed_tokens < prefill_target(seq):
+            return None  # more prompt chunks to go
+        request.head_logits = self._heads(rows[-1])
+        if seq.output_token_ids:
+            return None  # recomputed after preemption: the pending root is already known
+        logits = self._suppress_eos(request, self.model.compute_logits(rows[-1:]), torch.zeros(1, device=self.device))
+        sampling = request.params.sampling()
+        first = torch.zeros(1, dtype=torch.long, device=self.device)  # output index 0
+        root = logits[0].argmax() if sampling.greedy else request.sampler(target_probs(logits, sampling), first)[0]
+        return self._append(request, [int(root)])
+
+    def _after_verify(self, request: _Request, tree: DeviceTree, candidates: torch.Tensor,
+                      rows: torch.Tensor) -> list[int]:
+        seq = request.seq
+        logits = self._suppress_eos(request, self.model.compute_logits(rows), tree.depths)
+        verdict = verify(tree, candidates, logits, request.params.sampling(), AcceptanceConfig(), request.sampler,
+                         seq.num_output_tokens)
+        accepted = verdict.accepted
+        self.runner.compact(seq, tree.num_nodes, accepted)
+        new = candidates[accepted[1:]].tolist() + [int(verdict.next_token)]
+        self._record(request, tree, len(accepted) - 1)
+        emitted = self._append(request, new)
+        if not seq.is_finished:
+            self.blocks.commit(seq, len(accepted))
+            request.head_logits = self._heads(rows[accepted[-1]])
+        return emitted
+
+    # ---- helpers ---------------------------------------------------------
+
+    def _append(self, request: _Request, tokens: list[int]) -> list[int]:
+        """Append up to the first stop condition; finish and free the sequence if one hit."""
+        seq, params = request.seq, request.params
+        kept, reason = [], None
+        for token in tokens:
+            if not params.ignore_eos and (token in self.eos or token in params.stop_token_ids) \
+                    and seq.num_output_tokens + len(kept) >= params.min_tokens:
+                reason = FinishReason.STOP
+                break
+            kept.append(token)
+            if seq.num_output_tokens + len(kept) >= params.max_tokens:
+                reason = FinishReason.LENGTH
+                break
+        seq.append_tokens(kept)
+        if request.detok is not None:
+            request.new_text += request.detok.add(kept)
+            if request.detok.stopped:
+                reason = FinishReason.STOP
+        if reason is not None:
+            seq.finish(reason)
+            self.scheduler.finish(seq)
+        return kept
+
+    def _suppress_eos(self, request: _Request, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """Before min_tokens outputs, EOS / stop tokens may not be chosen at any node.
+
+        logits [N, V]; depths [N]: node i's target is output number
+        num_output_tokens + depths[i] (the pending root counts as output).
+        """
+        params = request.params
+        banned = sorted(self.eos | set(params.stop_token_ids))
+        produced = request.seq.num_output_tokens
+        if params.ignore_eos or not banned or produced + int(depths.min()) >= params.min_tokens:
+            return logits
+        rows = (produced + depths < params.min_tokens).nonzero().squeeze(-1)
+        logits = logits.clone()
+        logits[rows[:, None], torch.tensor(banned, device=logits.device)[None, :]] = float("-inf")
+        return logits
+
+    def _heads(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if self.heads is None:
+            return None
+        with torch.inference_mode():
+            return self.heads(hidden, self.model.lm_head.weight)
+
+    def _record(self, request: _Request, tree: DeviceTree, accepted_drafts: int) -> None:
+        stats = request.stats
+        stats.steps += 1
+        stats.drafted_tokens += tree.num_nodes - 1
+        stats.accepted_tokens += accepted_drafts
+        if len(stats.accepted_per_depth) < tree.spec.max_depth:
+            stats.accepted_per_depth += [0] * (tree.spec.max_depth - len(stats.accepted_per_depth))
+        for depth in range(accepted_drafts):
+            stats.accepted_per_depth[depth] += 1
+
+    def _output(self, request: _Request, new: list[int]) -> RequestOutput:
+        seq = request.seq
+        finished = seq.is_finished
+        text, delta = "", ""
+        if request.detok is not None:
+            delta = request.new_text + (request.detok.flush() if finished else "")
+            request.new_text, text = "", request.detok.text
+        if finished:
+            self.requests.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, new, delta, finished,
+                             seq.finish_reason.value if seq.finish_reason else None,
+                             list(seq.output_token_ids), text, request.stats)
+
+    def _device_tree(self, spec: TreeSpec) -> DeviceTree:
+        if spec not in self._device_trees:
+            self._device_trees[spec] = DeviceTree.from_spec(spec, self.device)
+        return self._device_trees[spec]

@@ -1,0 +1,54 @@
+"""The engine's KV cache: one pool of paged slots per layer, and the per-step metadata.
+
+`PagedKVCache` is the `AttentionBackend` the model calls during an engine step:
+it writes this step's k/v at the slots the block manager assigned and attends
+over each sequence's pages. The attention itself comes from `medusa.kernels`
+(PyTorch reference on the CPU; the Triton kernel plugs in behind the same call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from medusa.config import ModelConfig
+from medusa.kernels.paged_attention import move_kv_reference, paged_attention_reference, write_kv_reference
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    slot_mapping: torch.Tensor  # [T] long, where each step token's k/v go
+    block_tables: torch.Tensor  # [B, max_blocks] int32, -1 padded
+    kv_lens: torch.Tensor  # [B] KV entries per sequence after this step's writes
+    query_start: torch.Tensor  # [B + 1] cu_seqlens of the step tokens
+    causal: torch.Tensor  # [B] bool: prompt chunk (causal) or tree (step_bits)
+    step_bits: torch.Tensor  # [T] int64 ancestor bits within the sequence's step tokens
+
+    def __post_init__(self) -> None:
+        t, b = self.slot_mapping.shape[0], self.block_tables.shape[0]
+        if self.step_bits.shape[0] != t or self.query_start.shape[0] != b + 1 or self.kv_lens.shape[0] != b:
+            raise ValueError(f"inconsistent step metadata: {t} tokens, {b} sequences")
+
+
+class PagedKVCache:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.step: StepMetadata | None = None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]"""
+        s = self.step
+        write_kv_reference(self.k[layer], self.v[layer], k, v, s.slot_mapping)
+        return paged_attention_reference(q, self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
+                                         s.query_start, s.causal, s.step_bits, self.block_size)
+
+    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Compact accepted tree tokens into consecutive slots, in every layer at once."""
+        if src_slots.numel():
+            for layer in range(self.k.shape[0]):
+                move_kv_reference(self.k[layer], self.v[layer], src_slots, dst_slots)

@@ -1,0 +1,39 @@
+"""Per-request sampling settings for the engine (the OpenAI / vLLM knobs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from medusa.decoding.sampler import SamplingConfig
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    min_tokens: int = 0  # EOS and stop tokens are suppressed before this many outputs
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # same seed, same output, whatever else is in the batch
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    speculative: bool = True
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if not 1 <= self.n <= 64:
+            raise ValueError(f"n must be in [1, 64], got {self.n}")
+        self.sampling()  # validates temperature, top_p, top_k
+
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)

@@ -1,0 +1,135 @@
+"""Decide which sequences run this step and how many tokens each computes.
+
+Tokens, not phases: a prompt chunk costs its length, a decoding sequence costs
+1 + tree size (its tree is verified in the same forward). Decoding sequences go
+first (they hold users' streams), then unfinished prompt chunks, then new
+requests in arrival order, all under `max_num_batched_tokens` and
+`max_num_seqs`. When blocks run out, the newest running sequence is preempted:
+its blocks are freed and it re-enters the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from medusa.decoding.block_manager import BlockManager
+from medusa.decoding.sequence import Sequence, SequenceStatus
+from medusa.tree import TreeSpec
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    # Tree tokens allowed per step over all decoding sequences: the verification
+    # cost stays near a plain step's while batch x tree size is under this, so
+    # larger batches get smaller trees, down to the single node.
+    max_tree_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens this step computes for the sequence
+    is_prefill: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    tree: TreeSpec  # the tree every decoding sequence verifies this step
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+def prefill_target(seq: Sequence) -> int:
+    """Tokens whose KV must exist before the sequence decodes: all but a pending root."""
+    return seq.num_tokens - (1 if seq.output_token_ids else 0)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, trees: list[TreeSpec]) -> None:
+        self.config, self.blocks = config, blocks
+        self.trees = sorted(trees, key=lambda t: t.num_nodes) or [TreeSpec()]
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.running, self.waiting):
+            for seq in list(queue):
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.blocks.free(seq)
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def tree_for(self, num_decoding: int) -> TreeSpec:
+        """The largest candidate tree whose tokens for all decoding sequences fit the tree budget."""
+        fitting = [t for t in self.trees if t.num_nodes * num_decoding <= self.config.max_tree_tokens]
+        return fitting[-1] if fitting else self.trees[0]
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        decoding = [s for s in self.running if s.num_computed_tokens >= prefill_target(s)]
+        tree = self.tree_for(len(decoding))
+        scheduled, preempted = [], []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            is_prefill = seq.num_computed_tokens < prefill_target(seq)
+            need = min(prefill_target(seq) - seq.num_computed_tokens, budget) if is_prefill else tree.num_nodes
+            if need <= 0 or need > budget:
+                continue
+            lookahead = 0 if is_prefill else need - 1
+            count = 1 if not is_prefill else need
+            if not self._make_room(seq, count, lookahead, preempted):
+                break
+            self.blocks.allocate(seq, count, lookahead)
+            scheduled.append(ScheduledSeq(seq, need, is_prefill))
+            budget -= need
+        self._admit(scheduled, budget)
+        return SchedulerOutput(scheduled, tree, preempted)
+
+    def _make_room(self, seq: Sequence, count: int, lookahead: int, preempted: list[Sequence]) -> bool:
+        """Preempt the newest running sequences until `seq` fits; False if `seq` itself went."""
+        while not self.blocks.can_allocate(seq, count, lookahead):
+            victim = self.running[-1]
+            self.running.remove(victim)
+            self.blocks.free(victim)
+            victim.status = SequenceStatus.WAITING
+            self.waiting.appendleft(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            chunk = min(prefill_target(seq) - seq.num_computed_tokens, budget)
+            if not self.blocks.can_allocate(seq, chunk):
+                break
+            self.waiting.popleft()
+            to_compute = self.blocks.allocate(seq, chunk)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, to_compute, True))
+            budget -= to_compute

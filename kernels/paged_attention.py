@@ -1,0 +1,74 @@
+"""Attention over a paged KV cache for a mixed batch: prompt chunks and Medusa trees.
+
+This file holds the plain PyTorch reference (also the CPU path). The Triton
+kernel of the fast path must match it on random inputs.
+
+Layout (flat, varlen, as the engine builds it each step):
+- q [T, Hq, D]: this step's query tokens of all sequences, sequence after sequence;
+  `query_start` [B + 1] gives each sequence's range (cu_seqlens).
+- k_cache, v_cache [num_slots, Hkv, D]: every block's slots, slot = block * block_size + offset.
+  This step's k/v are already written at their slots.
+- block_tables [B, max_blocks] int32 (-1 padded); kv_lens [B]: KV tokens of each
+  sequence including this step's (logical indices 0 .. kv_len - 1).
+- The step's tokens are the last q_len logical entries. Each attends to every
+  earlier entry, and among the step's own tokens to those its mask allows:
+  causal for a prompt chunk, tree ancestors for a verification step, given as
+  `step_bits` [T] int64 (bit j = may see step token j; at most 64 step tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def step_mask_from_bits(bits: torch.Tensor, q_len: int) -> torch.Tensor:
+    """bits [q_len] int64 -> [q_len, q_len] bool."""
+    j = torch.arange(q_len, device=bits.device)
+    return ((bits[:, None] >> j[None, :]) & 1).bool()
+
+
+def logical_to_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Physical slots of logical KV entries 0 .. length-1 of one sequence: [length]."""
+    pos = torch.arange(length, device=block_table.device)
+    return block_table[pos // block_size].long() * block_size + pos % block_size
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, kv_lens: torch.Tensor, query_start: torch.Tensor,
+                              causal: torch.Tensor, step_bits: torch.Tensor, block_size: int,
+                              scale: float | None = None) -> torch.Tensor:
+    """-> out [T, Hq, D]; see the module docstring for the layout. causal [B] bool."""
+    out = torch.empty_like(q)
+    starts, lens = query_start.tolist(), kv_lens.tolist()
+    for b in range(block_tables.shape[0]):
+        s, e = starts[b], starts[b + 1]
+        q_len, kv_len = e - s, lens[b]
+        if q_len == 0:
+            continue
+        slots = logical_to_slots(block_tables[b], kv_len, block_size)
+        k, v = k_cache[slots], v_cache[slots]  # [kv_len, Hkv, D]
+        own = (torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril() if bool(causal[b])
+               else step_mask_from_bits(step_bits[s:e], q_len))
+        prefix = torch.ones(q_len, kv_len - q_len, dtype=torch.bool, device=q.device)
+        mask = torch.cat([prefix, own], dim=1)  # [q_len, kv_len]
+        attn = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+            scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        out[s:e] = attn.transpose(0, 1)
+    return out
+
+
+def write_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] into their slots [T] (negative slot = padding, skipped)."""
+    keep = slot_mapping >= 0
+    k_cache[slot_mapping[keep]] = k[keep]
+    v_cache[slot_mapping[keep]] = v[keep]
+
+
+def move_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots: torch.Tensor,
+                      dst_slots: torch.Tensor) -> None:
+    """Copy accepted tree tokens' KV [n] src -> dst; gathers first, so overlaps are safe."""
+    k_cache[dst_slots] = k_cache[src_slots]
+    v_cache[dst_slots] = v_cache[src_slots]

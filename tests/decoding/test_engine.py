@@ -1,0 +1,157 @@
+"""The engine on a tiny model: batched Medusa equals batch-1 plain decoding; KV is always returned."""
+
+import pytest
+import torch
+
+from medusa.config import ModelConfig
+from medusa.decoding.engine import EngineConfig, LLMEngine
+from medusa.decoding.generator import TreeDecoder
+from medusa.decoding.sampler import SamplingConfig
+from medusa.decoding.sampling_params import SamplingParams
+from medusa.decoding.scheduler import SchedulerConfig
+from medusa.heads import HeadsConfig, MedusaHeads
+from medusa.model import DecoderModel
+from medusa.tree import TreeSpec
+
+VOCAB = 24
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+    model = DecoderModel(config).eval()
+    heads = MedusaHeads(HeadsConfig(hidden_size=32, vocab_size=VOCAB, num_heads=4)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    yield model, heads
+    torch.set_num_threads(threads)
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(VOCAB, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def batch1(model, prompt, max_tokens):
+    out = []
+    for chunk in TreeDecoder(model, None, TreeSpec.load("single")).decode(prompt, max_tokens, SamplingConfig()):
+        out += chunk
+    return out[:max_tokens]
+
+
+def make_engine(model, heads, **kw):
+    sched = SchedulerConfig(**{k: kw.pop(k) for k in list(kw) if k in ("max_num_batched_tokens", "max_num_seqs",
+                                                                        "max_tree_tokens")})
+    return LLMEngine(model, heads, EngineConfig(scheduler=sched, **kw))
+
+
+def run_staggered(engine, ps, max_tokens):
+    """Submit a few requests per step, as a server would."""
+    ids, done, pending = {}, {}, list(enumerate(ps))
+    while pending or engine.has_unfinished():
+        for _ in range(3):
+            if pending:
+                i, p = pending.pop(0)
+                ids[engine.add_request(p, SamplingParams(max_tokens=max_tokens[i]))] = i
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.request_id]] = out
+    return done
+
+
+def test_batched_medusa_equals_batch1_plain_greedy(tiny):
+    model, heads = tiny
+    ps = prompts(12)
+    max_tokens = [5 + 7 * (i % 4) for i in range(12)]
+    engine = make_engine(model, heads, num_blocks=400, block_size=4, max_num_batched_tokens=512, max_tree_tokens=400)
+    done = run_staggered(engine, ps, max_tokens)
+    for i, p in enumerate(ps):
+        assert done[i].token_ids == batch1(model, p, max_tokens[i]), i
+        assert done[i].finish_reason == "length"
+    drafted = sum(d.stats.drafted_tokens for d in done.values())
+    accepted = sum(d.stats.accepted_tokens for d in done.values())
+    assert drafted > 0 and accepted >= 5  # trees ran and drafts were accepted, so KV moves happened
+    assert engine.blocks.num_free_blocks == 400 and not engine.blocks.ref_counts.any()
+    engine.blocks.check_invariants()
+
+
+def test_preemption_keeps_outputs_and_frees_everything(tiny):
+    model, heads = tiny
+    ps = prompts(8, seed=1)
+    max_tokens = [30] * 8
+    engine = make_engine(model, heads, num_blocks=40, block_size=4, max_num_batched_tokens=128,
+                         max_tree_tokens=64, enable_prefix_caching=False)
+    preempted = []
+    original = engine.scheduler.schedule
+
+    def spy():
+        out = original()
+        preempted.extend(out.preempted)
+        return out
+
+    engine.scheduler.schedule = spy
+    done = run_staggered(engine, ps, max_tokens)
+    assert preempted, "the pool was meant to be too small"
+    for i, p in enumerate(ps):
+        assert done[i].token_ids == batch1(model, p, 30)
+    assert engine.blocks.num_free_blocks == 40 and not engine.blocks.ref_counts.any()
+
+
+def test_abort_mid_generation_frees_blocks(tiny):
+    model, heads = tiny
+    engine = make_engine(model, heads, num_blocks=64, block_size=4)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in prompts(4, seed=2)]
+    for _ in range(3):
+        engine.step()
+    assert engine.blocks.num_free_blocks < 64
+    for rid in ids[:2]:
+        assert engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.num_free_blocks == 64 and not engine.blocks.ref_counts.any()
+    assert not engine.abort("no-such-request")
+
+
+def test_seeded_sampling_is_batch_invariant(tiny):
+    model, heads = tiny
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=11)
+    alone = make_engine(model, heads).generate([[1, 2, 3]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in range(15)]
+    batch = make_engine(model, heads).generate([[1, 2, 3]] + prompts(15, seed=3), [params] + others)
+    assert batch[0].token_ids == alone
+    # a seeded draw depends only on (seed, output position): plain decoding samples the same text
+    plain = make_engine(model, None).generate([[1, 2, 3]], params)[0].token_ids
+    assert plain == alone
+
+
+def test_prefix_caching_shares_blocks_and_keeps_outputs(tiny):
+    model, heads = tiny
+    shared = prompts(1, seed=4)[0] * 3  # a long common prefix
+    ps = [shared + [1, 2], shared + [3]]
+    engine = make_engine(model, heads, num_blocks=128, block_size=4)
+    first = engine.generate([ps[0]], SamplingParams(max_tokens=8))[0]
+    rid = engine.add_request(ps[1], SamplingParams(max_tokens=8))
+    engine.step()
+    assert engine.requests[rid].seq.num_cached_prefix_tokens >= (len(shared) // 4) * 4 - 4
+    while engine.has_unfinished():
+        for out in engine.step():
+            second = out
+    assert first.token_ids == batch1(model, ps[0], 8) and second.token_ids == batch1(model, ps[1], 8)
+
+
+def test_min_tokens_and_stop_token_ids(tiny):
+    model, heads = tiny
+    p = prompts(1, seed=5)[0]
+    free = batch1(model, p, 12)
+    stop = free[4]
+    out = make_engine(model, heads).generate([p], SamplingParams(max_tokens=12, stop_token_ids=(stop,)))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free[: free.index(stop)]
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
