@@ -48,6 +48,7 @@ class RequestStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0  # drafted tokens the base agreed with
     accepted_per_depth: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted by each verification step
 
     @property
     def mean_accepted_length(self) -> float:
@@ -75,6 +76,15 @@ class _Request:
     head_logits: torch.Tensor | None = None  # [K, V] proposals for the pending root
     new_text: str = ""  # released by the detokenizer since the last output
     stats: RequestStats = field(default_factory=RequestStats)
+
+
+def _until_stop_string(request: _Request, tokens: list[int]) -> tuple[list[int], bool]:
+    """Feed tokens one at a time, so the output ends at the token that completes a stop string."""
+    for i, token in enumerate(tokens):
+        request.new_text += request.detok.add([token])
+        if request.detok.stopped:
+            return tokens[: i + 1], True
+    return tokens, False
 
 
 class LLMEngine:
@@ -205,11 +215,10 @@ class LLMEngine:
             if seq.num_output_tokens + len(kept) >= params.max_tokens:
                 reason = FinishReason.LENGTH
                 break
-        seq.append_tokens(kept)
         if request.detok is not None:
-            request.new_text += request.detok.add(kept)
-            if request.detok.stopped:
-                reason = FinishReason.STOP
+            kept, stopped = _until_stop_string(request, kept)
+            reason = FinishReason.STOP if stopped else reason
+        seq.append_tokens(kept)
         if reason is not None:
             seq.finish(reason)
             self.scheduler.finish(seq)
@@ -242,6 +251,7 @@ class LLMEngine:
         stats.steps += 1
         stats.drafted_tokens += tree.num_nodes - 1
         stats.accepted_tokens += accepted_drafts
+        stats.accepted_lengths.append(1 + accepted_drafts)
         if len(stats.accepted_per_depth) < tree.spec.max_depth:
             stats.accepted_per_depth += [0] * (tree.spec.max_depth - len(stats.accepted_per_depth))
         for depth in range(accepted_drafts):

@@ -6,6 +6,7 @@ input (text, chat messages or token ids) into ids, and drives the decoder.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +17,10 @@ import torch
 from medusa.adapter import has_adapter, merge_lora
 from medusa.chat import chat_prompt_ids
 from medusa.decoding.detokenizer import IncrementalDetokenizer
+from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.generator import DecodeStats, TreeDecoder
 from medusa.decoding.sampler import SamplingConfig
+from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.tree_select import choose_tree
 from medusa.decoding.verifier import AcceptanceConfig
 from medusa.heads import MedusaHeads
@@ -63,6 +66,7 @@ class MedusaModel:
         self.eos_token_ids = _eos_ids(base, tokenizer)
         self._tree_choice = tree
         self._decoders: dict[TreeSpec, TreeDecoder] = {}
+        self._engines: dict[bool, LLMEngine] = {}
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, heads: str | Path | MedusaHeads | None = None,
@@ -110,17 +114,19 @@ class MedusaModel:
         strings returns a list of results. With stream=True, returns a
         GenerationStream of text deltas.
         """
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
         if _is_prompt_list(inputs):
-            if stream:
-                raise ValueError("stream=True takes a single prompt, not a list")
-            return [self.generate(p, max_new_tokens, temperature, top_p, top_k, seed, stop, False,
-                                  speculative, tree, acceptance, posterior_threshold, posterior_alpha)
-                    for p in inputs]
+            if stream or tree is not None or acceptance != "auto":
+                raise ValueError("a list of prompts runs on the batching engine, which streams per request, picks "
+                                 "its own tree per step and uses the lossless rule: pass one prompt for "
+                                 "stream=, tree= or acceptance=")
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=seed, stop=tuple(stops))
+            return self._generate_batch(list(inputs), params, speculative)
         prompt_ids = self.encode(inputs)
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         accept = AcceptanceConfig(rule=acceptance, posterior_threshold=posterior_threshold,
                                   posterior_alpha=posterior_alpha)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
         decoder = self.decoder(tree if speculative else "single")
         chunks = self._run(decoder, prompt_ids, max_new_tokens, sampling, accept, stops)
         if stream:
@@ -129,6 +135,24 @@ class MedusaModel:
         for _ in stream_obj:
             pass
         return stream_obj.result
+
+    def engine(self, speculative: bool = True) -> LLMEngine:
+        """The continuous-batching engine over this model (built once per mode)."""
+        key = speculative and self.heads is not None
+        if key not in self._engines:
+            self._engines[key] = LLMEngine(self.base, self.heads if key else None, EngineConfig(), self.tokenizer,
+                                           sorted(self.eos_token_ids))
+        return self._engines[key]
+
+    def _generate_batch(self, prompts: list[str], params: SamplingParams, speculative: bool) -> list[GenerationResult]:
+        ids = [self.encode(p) for p in prompts]
+        start = time.perf_counter()
+        outputs = self.engine(speculative).generate(ids, params)
+        seconds = time.perf_counter() - start  # the batch's wall time: requests share it
+        return [GenerationResult(text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason,
+                                 prompt_tokens=len(p), accepted_lengths=list(o.stats.accepted_lengths),
+                                 tokens_per_second=len(o.token_ids) / max(seconds, 1e-9))
+                for o, p in zip(outputs, ids)]
 
     def chat(self, message: str | Sequence[dict], **kwargs):
         """generate() on a chat conversation; a string is one user message."""
@@ -181,10 +205,13 @@ class MedusaModel:
             eos_at = next((i for i, t in enumerate(tokens) if t in self.eos_token_ids), None)
             if eos_at is not None:
                 tokens, finish = tokens[:eos_at], "stop"
+            delta = ""
+            for i, token in enumerate(tokens):  # one at a time: stop exactly at the stop string's token
+                delta += detok.add([token])
+                if detok.stopped:
+                    tokens, finish = tokens[: i + 1], "stop"
+                    break
             emitted.extend(tokens)
-            delta = detok.add(tokens)
-            if detok.stopped:
-                finish = "stop"
             if delta:
                 yield delta
             if finish == "stop" or len(emitted) >= max_new_tokens:

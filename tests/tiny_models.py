@@ -36,3 +36,27 @@ def save_tiny_hf_model(kind: str, folder, seed: int = 0):
         state.pop("lm_head.weight", None)
     save_file(state, str(folder / "model.safetensors"))
     return hf
+
+
+def tiny_decoder(vocab: int = 24, num_layers: int = 2, logit_scale: float = 1.0, max_positions: int = 512,
+                 num_heads: int = 0, heads_std: float = 0.3, seed: int = 0):
+    """A random 32-wide Llama of our own code, plus random Medusa heads when num_heads > 0.
+
+    logit_scale sharpens the next-token distribution (random weights give
+    near-uniform ones); heads_std makes the heads' proposals sometimes right.
+    """
+    from medusa.config import ModelConfig
+    from medusa.heads import HeadsConfig, MedusaHeads
+    from medusa.model import DecoderModel
+
+    torch.manual_seed(seed)
+    config = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                         num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=8,
+                         max_position_embeddings=max_positions)
+    model = DecoderModel(config).eval()
+    heads = MedusaHeads(HeadsConfig(hidden_size=32, vocab_size=vocab, num_heads=num_heads)).eval() if num_heads else None
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+        for p in heads.parameters() if heads is not None else ():
+            p.normal_(0, heads_std)
+    return model, heads

@@ -3,15 +3,13 @@
 import pytest
 import torch
 
-from medusa.config import ModelConfig
 from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.generator import TreeDecoder
 from medusa.decoding.sampler import SamplingConfig
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import SchedulerConfig
-from medusa.heads import HeadsConfig, MedusaHeads
-from medusa.model import DecoderModel
 from medusa.tree import TreeSpec
+from tiny_models import tiny_decoder
 
 VOCAB = 24
 
@@ -19,17 +17,8 @@ VOCAB = 24
 @pytest.fixture(scope="module")
 def tiny():
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
-    model = DecoderModel(config).eval()
-    heads = MedusaHeads(HeadsConfig(hidden_size=32, vocab_size=VOCAB, num_heads=4)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3)
-        for p in heads.parameters():
-            p.normal_(0, 0.3)
-    yield model, heads
+    torch.set_num_threads(1)  # ops this small run far slower when threads contend
+    yield tiny_decoder(VOCAB, logit_scale=3, num_heads=4)
     torch.set_num_threads(threads)
 
 
@@ -153,5 +142,12 @@ def test_min_tokens_and_stop_token_ids(tiny):
     stop = free[4]
     out = make_engine(model, heads).generate([p], SamplingParams(max_tokens=12, stop_token_ids=(stop,)))[0]
     assert out.finish_reason == "stop" and out.token_ids == free[: free.index(stop)]
+    # min_tokens: the stop token may not be chosen before 6 outputs, at any tree node
+    held = make_engine(model, heads).generate([p], SamplingParams(max_tokens=12, min_tokens=6,
+                                                                  stop_token_ids=(stop,)))[0]
+    assert stop not in held.token_ids[:6] and held.token_ids[:4] == free[:4]
+    assert len(held.token_ids) >= 6
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

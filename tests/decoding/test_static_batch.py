@@ -2,22 +2,15 @@
 
 import torch
 
-from medusa.config import ModelConfig
 from medusa.decoding.generator import TreeDecoder
 from medusa.decoding.sampler import SamplingConfig
 from medusa.decoding.static_batch import generate_padded
-from medusa.model import DecoderModel
 from medusa.tree import TreeSpec
+from tiny_models import tiny_decoder
 
 
 def tiny_model(vocab=64):
-    torch.manual_seed(0)
-    config = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
-    model = DecoderModel(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4)
-    return model
+    return tiny_decoder(vocab, logit_scale=4, max_positions=128)[0]
 
 
 def batch1_greedy(model, prompt, n):

@@ -2,26 +2,15 @@
 
 import torch
 
-from medusa.config import ModelConfig
 from medusa.decoding.generator import TreeDecoder
 from medusa.decoding.sampler import SamplingConfig
-from medusa.heads import HeadsConfig, MedusaHeads
-from medusa.model import DecoderModel
 from medusa.training.evaluate import accepted_length_per_root, head_topk, rank_hits, walk
 from medusa.tree import TreeSpec
+from tiny_models import tiny_decoder
 
 
 def tiny(vocab=16):
-    torch.manual_seed(0)
-    config = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
-    model = DecoderModel(config).eval()
-    heads = MedusaHeads(HeadsConfig(hidden_size=32, vocab_size=vocab, num_heads=3)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3)
-        for p in heads.parameters():
-            p.normal_(0, 0.3)
-    return model, heads
+    return tiny_decoder(vocab, logit_scale=3, max_positions=256, num_heads=3)
 
 
 def test_simulated_acceptance_equals_real_decoding():

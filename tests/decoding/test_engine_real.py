@@ -1,0 +1,40 @@
+"""The engine on the real default model: 32 Spec-Bench prompts, staggered, mixed lengths and stops.
+
+Greedy outputs equal each prompt's batch-1 plain greedy output.
+"""
+
+import json
+
+import pytest
+
+from medusa.decoding.sampling_params import SamplingParams
+from medusa.medusa_model import MedusaModel
+from medusa.training.data import DATA_DIR
+
+pytestmark = pytest.mark.slow
+
+
+def test_32_staggered_requests_match_batch1_plain_greedy(default_model_dir):
+    model = MedusaModel.from_pretrained(device="cpu")
+    rows = [json.loads(line) for line in (DATA_DIR / "spec_bench.jsonl").read_text().splitlines()]
+    prompts = [model.encode([{"role": "user", "content": r["turns"][0][:400]}]) for r in rows[::15][:32]]
+    params = [SamplingParams(max_tokens=6 + (i * 5) % 19, stop=(".", "\n", ",") if i % 4 == 0 else ()) for i in range(32)]
+    references = [model.generate(p, max_new_tokens=sp.max_tokens, stop=list(sp.stop), speculative=False)
+                  for p, sp in zip(prompts, params)]
+
+    engine = model.engine()
+    ids, done, pending = {}, {}, list(range(32))
+    while pending or engine.has_unfinished():
+        for _ in range(4):  # four new requests join every step
+            if pending:
+                i = pending.pop(0)
+                ids[engine.add_request(prompts[i], params[i])] = i
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.request_id]] = out
+    for i, ref in enumerate(references):
+        assert done[i].token_ids == ref.token_ids, i
+        assert done[i].text == ref.text and done[i].finish_reason == ref.finish_reason
+    assert any(done[i].finish_reason == "stop" for i in range(0, 32, 4))
+    assert sum(d.stats.accepted_tokens for d in done.values()) > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
