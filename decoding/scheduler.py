@@ -105,7 +105,8 @@ class Scheduler:
             self.blocks.allocate(seq, count, lookahead)
             scheduled.append(ScheduledSeq(seq, need, is_prefill))
             budget -= need
-        self._admit(scheduled, budget)
+        if not preempted:  # memory is short: admitting now would only thrash
+            self._admit(scheduled, budget)
         return SchedulerOutput(scheduled, tree, preempted)
 
     def _make_room(self, seq: Sequence, count: int, lookahead: int, preempted: list[Sequence]) -> bool:
