@@ -274,3 +274,14 @@ class LLMEngine:
         if spec not in self._device_trees:
             self._device_trees[spec] = DeviceTree.from_spec(spec, self.device)
         return self._device_trees[spec]
+
+
+def stream(engine: LLMEngine, prompt: str | Seq[int], params: SamplingParams = SamplingParams()):
+    """Drive `engine` until one new request finishes, yielding its outputs as they come."""
+    rid = engine.add_request(prompt, params)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid:
+                yield out
+                if out.finished:
+                    return

@@ -1,0 +1,86 @@
+"""AsyncLLMEngine: concurrent streams equal the sync engine; a consumer that leaves aborts its request."""
+
+import asyncio
+
+import pytest
+import torch
+
+from medusa.decoding.async_engine import AsyncLLMEngine
+from medusa.decoding.engine import EngineConfig, LLMEngine, stream
+from medusa.decoding.sampling_params import SamplingParams
+from tiny_models import tiny_decoder
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_decoder(24, logit_scale=3, num_heads=4)
+    torch.set_num_threads(threads)
+
+
+def prompts():
+    g = torch.Generator().manual_seed(9)
+    return [torch.randint(24, (n,), generator=g).tolist() for n in (3, 17, 8, 30, 1, 12, 5, 22)]
+
+
+def test_concurrent_streams_equal_sync_and_disconnect_frees_blocks(tiny):
+    model, heads = tiny
+    params = SamplingParams(max_tokens=16)
+    expected = LLMEngine(model, heads, EngineConfig(num_blocks=128, block_size=4)).generate(prompts(), params)
+    engine = LLMEngine(model, heads, EngineConfig(num_blocks=128, block_size=4))
+    served = AsyncLLMEngine(engine)
+
+    async def consume(prompt, leave_after=None):
+        tokens, n = [], 0
+        async for out in served.generate(prompt, params):
+            n += 1
+            tokens = out.token_ids
+            if leave_after is not None and n >= leave_after:
+                break  # the client disconnects
+        return tokens
+
+    async def main():
+        results = await asyncio.gather(*(consume(p) for p in prompts()),
+                                       consume([1, 2, 3], leave_after=2), consume([4, 5], leave_after=1))
+        for _ in range(50):  # let the loop apply the aborts
+            if not engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        await served.shutdown()
+        return results
+
+    results = asyncio.run(main())
+    assert results[:8] == [e.token_ids for e in expected]
+    assert not engine.has_unfinished()
+    assert engine.blocks.num_free_blocks == 128 and not engine.blocks.ref_counts.any()
+
+
+def test_bad_request_raises_to_its_consumer_only(tiny):
+    model, heads = tiny
+    served = AsyncLLMEngine(LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4)))
+
+    async def main():
+        async def bad():
+            async for _ in served.generate(list(range(20)) * 40, SamplingParams(max_tokens=400)):
+                pass
+
+        async def good():
+            outs = [o async for o in served.generate([1, 2], SamplingParams(max_tokens=4))]
+            return outs[-1].token_ids
+
+        results = await asyncio.gather(bad(), good(), return_exceptions=True)
+        await served.shutdown()
+        return results
+
+    error, tokens = asyncio.run(main())
+    assert isinstance(error, ValueError) and "context" in str(error)
+    assert len(tokens) == 4
+
+
+def test_sync_stream_yields_until_finished(tiny):
+    model, heads = tiny
+    engine = LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4))
+    outs = list(stream(engine, [1, 2, 3], SamplingParams(max_tokens=10)))
+    assert outs[-1].finished and len(outs[-1].token_ids) == 10
+    assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids
