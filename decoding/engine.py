@@ -56,6 +56,21 @@ class RequestStats:
 
 
 @dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks referenced
+    totals: RequestStats  # drafted / accepted tokens over every finished and running request
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # of the base model's raw distribution (no temperature), as OpenAI reports
+    top: list[tuple[int, float]]  # the most likely alternatives, best first
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
@@ -65,6 +80,8 @@ class RequestOutput:
     token_ids: list[int]  # all output tokens so far
     text: str
     stats: RequestStats
+    index: int = 0  # which of the request's n completions
+    new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when asked for
 
 
 @dataclass
@@ -75,6 +92,9 @@ class _Request:
     detok: IncrementalDetokenizer | None
     head_logits: torch.Tensor | None = None  # [K, V] proposals for the pending root
     new_text: str = ""  # released by the detokenizer since the last output
+    parent_id: str = ""  # the id the client knows (several sequences share it when n > 1)
+    index: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     stats: RequestStats = field(default_factory=RequestStats)
 
 
@@ -101,46 +121,54 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._device_trees: dict[TreeSpec, DeviceTree] = {}
+        self.totals = RequestStats()  # over the engine's life, for /metrics
 
     # ---- public API ------------------------------------------------------
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
-        if params.n != 1:
-            raise ValueError("n > 1 is not supported by the engine yet; submit n requests with different seeds")
+        """Queue a request; with n > 1 it runs as n sequences sharing the id (outputs carry `index`)."""
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
         context = self.model.config.max_position_embeddings
         if len(ids) + params.max_tokens + 8 > context:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of {context}")
         rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.requests:
+        if rid in self.requests or f"{rid}#0" in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        self.requests[rid] = _Request(Sequence(rid, ids), params, TokenSampler(params.seed), detok)
-        self.scheduler.add(self.requests[rid].seq)
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            sub = rid if params.n == 1 else f"{rid}#{index}"
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+            request = _Request(Sequence(sub, ids), params, TokenSampler(seed), detok, parent_id=rid, index=index)
+            self.requests[sub] = request
+            self.scheduler.add(request.seq)
         return rid
 
     def abort(self, request_id: str) -> bool:
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return False
-        self.scheduler.abort(request_id)
-        request.seq.finish(FinishReason.ABORT)
-        return True
+        """Abort a request (all its n sequences); False if it is unknown or already finished."""
+        subs = [k for k, r in self.requests.items() if r.parent_id == request_id]
+        for sub in subs:
+            self.requests.pop(sub)
+            self.scheduler.abort(sub)
+        return bool(subs)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.usage, self.totals)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams()
                  ) -> list[RequestOutput]:
+        """Run to completion; one output per prompt and completion, ordered by (prompt, index)."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        final: dict[str, RequestOutput] = {}
+        ids = [(self.add_request(p, sp), sp.n) for p, sp in zip(prompts, params)]
+        final: dict[tuple[str, int], RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
                 if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+                    final[out.request_id, out.index] = out
+        return [final[rid, i] for rid, n in ids for i in range(n)]
 
     # ---- one step --------------------------------------------------------
 
@@ -178,21 +206,25 @@ class LLMEngine:
         request.head_logits = self._heads(rows[-1])
         if seq.output_token_ids:
             return None  # recomputed after preemption: the pending root is already known
-        logits = self._suppress_eos(request, self.model.compute_logits(rows[-1:]), torch.zeros(1, device=self.device))
+        raw = self.model.compute_logits(rows[-1:])
+        logits = self._suppress_eos(request, raw, torch.zeros(1, device=self.device))
         sampling = request.params.sampling()
         first = torch.zeros(1, dtype=torch.long, device=self.device)  # output index 0
         root = logits[0].argmax() if sampling.greedy else request.sampler(target_probs(logits, sampling), first)[0]
+        self._note_logprobs(request, raw, [int(root)])
         return self._append(request, [int(root)])
 
     def _after_verify(self, request: _Request, tree: DeviceTree, candidates: torch.Tensor,
                       rows: torch.Tensor) -> list[int]:
         seq = request.seq
-        logits = self._suppress_eos(request, self.model.compute_logits(rows), tree.depths)
+        raw = self.model.compute_logits(rows)
+        logits = self._suppress_eos(request, raw, tree.depths)
         verdict = verify(tree, candidates, logits, request.params.sampling(), AcceptanceConfig(), request.sampler,
                          seq.num_output_tokens)
         accepted = verdict.accepted
         self.runner.compact(seq, tree.num_nodes, accepted)
         new = candidates[accepted[1:]].tolist() + [int(verdict.next_token)]
+        self._note_logprobs(request, raw[accepted], new)
         self._record(request, tree, len(accepted) - 1)
         emitted = self._append(request, new)
         if not seq.is_finished:
@@ -219,6 +251,7 @@ class LLMEngine:
             kept, stopped = _until_stop_string(request, kept)
             reason = FinishReason.STOP if stopped else reason
         seq.append_tokens(kept)
+        del request.logprobs[seq.num_output_tokens:]  # drop those of tokens cut by a stop
         if reason is not None:
             seq.finish(reason)
             self.scheduler.finish(seq)
@@ -240,6 +273,18 @@ class LLMEngine:
         logits[rows[:, None], torch.tensor(banned, device=logits.device)[None, :]] = float("-inf")
         return logits
 
+    def _note_logprobs(self, request: _Request, logits: torch.Tensor, tokens: list[int]) -> None:
+        """logits [n, V]: row i is the distribution tokens[i] was drawn from."""
+        k = request.params.logprobs
+        if k is None:
+            return
+        logp = torch.log_softmax(logits.float(), -1)
+        chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, device=logp.device)].tolist()
+        top = logp.topk(k, dim=-1) if k else None
+        for i, token in enumerate(tokens):
+            alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if k else []
+            request.logprobs.append(TokenLogprob(token, chosen[i], alternatives))
+
     def _heads(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.heads is None:
             return None
@@ -247,15 +292,15 @@ class LLMEngine:
             return self.heads(hidden, self.model.lm_head.weight)
 
     def _record(self, request: _Request, tree: DeviceTree, accepted_drafts: int) -> None:
-        stats = request.stats
-        stats.steps += 1
-        stats.drafted_tokens += tree.num_nodes - 1
-        stats.accepted_tokens += accepted_drafts
-        stats.accepted_lengths.append(1 + accepted_drafts)
-        if len(stats.accepted_per_depth) < tree.spec.max_depth:
-            stats.accepted_per_depth += [0] * (tree.spec.max_depth - len(stats.accepted_per_depth))
-        for depth in range(accepted_drafts):
-            stats.accepted_per_depth[depth] += 1
+        for stats in (request.stats, self.totals):
+            stats.steps += 1
+            stats.drafted_tokens += tree.num_nodes - 1
+            stats.accepted_tokens += accepted_drafts
+            missing = tree.spec.max_depth - len(stats.accepted_per_depth)
+            stats.accepted_per_depth += [0] * max(missing, 0)
+            for depth in range(accepted_drafts):
+                stats.accepted_per_depth[depth] += 1
+        request.stats.accepted_lengths.append(1 + accepted_drafts)
 
     def _output(self, request: _Request, new: list[int]) -> RequestOutput:
         seq = request.seq
@@ -266,9 +311,12 @@ class LLMEngine:
             request.new_text, text = "", request.detok.text
         if finished:
             self.requests.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, new, delta, finished,
+        logprobs = None
+        if request.params.logprobs is not None:
+            logprobs = request.logprobs[-len(new):] if new else []
+        return RequestOutput(request.parent_id, new, delta, finished,
                              seq.finish_reason.value if seq.finish_reason else None,
-                             list(seq.output_token_ids), text, request.stats)
+                             list(seq.output_token_ids), text, request.stats, request.index, logprobs)
 
     def _device_tree(self, spec: TreeSpec) -> DeviceTree:
         if spec not in self._device_trees:
@@ -281,7 +329,7 @@ def stream(engine: LLMEngine, prompt: str | Seq[int], params: SamplingParams = S
     rid = engine.add_request(prompt, params)
     while True:
         for out in engine.step():
-            if out.request_id == rid:
+            if out.request_id == rid and out.index == 0:
                 yield out
                 if out.finished:
                     return

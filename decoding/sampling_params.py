@@ -18,7 +18,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    n: int = 1
+    n: int = 1  # independent completions of the prompt (seeds seed, seed + 1, ...)
+    logprobs: int | None = None  # return each token's log-probability and this many top alternatives
     speculative: bool = True
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -33,6 +34,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if not 1 <= self.n <= 64:
             raise ValueError(f"n must be in [1, 64], got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         self.sampling()  # validates temperature, top_p, top_k
 
     def sampling(self) -> SamplingConfig:

@@ -67,6 +67,10 @@ def test_batched_medusa_equals_batch1_plain_greedy(tiny):
     drafted = sum(d.stats.drafted_tokens for d in done.values())
     accepted = sum(d.stats.accepted_tokens for d in done.values())
     assert drafted > 0 and accepted >= 5  # trees ran and drafts were accepted, so KV moves happened
+    stats = engine.stats()
+    assert stats.totals.drafted_tokens == drafted and stats.totals.accepted_tokens == accepted
+    assert sum(stats.totals.accepted_per_depth) == accepted
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_usage == 0.0
     assert engine.blocks.num_free_blocks == 400 and not engine.blocks.ref_counts.any()
     engine.blocks.check_invariants()
 
@@ -151,3 +155,31 @@ def test_min_tokens_and_stop_token_ids(tiny):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_n_completions_and_logprobs(tiny):
+    model, heads = tiny
+    p = prompts(1, seed=6)[0]
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=5, n=3, logprobs=2)
+    outs = make_engine(model, heads).generate([p], params)
+    assert [o.index for o in outs] == [0, 1, 2] and len({o.request_id for o in outs}) == 1
+    single = make_engine(model, heads).generate([p], SamplingParams(max_tokens=10, temperature=1.0, seed=6))[0]
+    assert outs[1].token_ids == single.token_ids  # completion i uses seed + i
+
+    engine = make_engine(model, heads)
+    rid = engine.add_request(p, SamplingParams(max_tokens=10, logprobs=3))
+    logprobs, tokens = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            logprobs += out.new_logprobs
+            tokens += out.new_token_ids
+    assert [lp.token_id for lp in logprobs] == tokens == batch1(model, p, 10)
+    # greedy: each chosen token is the most likely one, and its logprob matches the full forward
+    ids = torch.tensor(p + tokens)
+    from medusa.attention import CausalAttention
+    with torch.no_grad():
+        full = torch.log_softmax(model.compute_logits(model(ids, torch.arange(len(ids)), CausalAttention())), -1)
+    for i, lp in enumerate(logprobs):
+        assert lp.top[0][0] == lp.token_id and len(lp.top) == 3
+        assert lp.logprob == pytest.approx(full[len(p) - 1 + i, lp.token_id].item(), abs=1e-4)
+    assert engine.abort(rid) is False  # already finished
