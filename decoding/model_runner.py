@@ -63,7 +63,7 @@ class ModelRunner:
         metadata = StepMetadata(
             slot_mapping=as_t(np.concatenate(slots)), block_tables=as_t(table, torch.int32),
             kv_lens=as_t(kv_lens), query_start=as_t(starts), causal=as_t(causal, torch.bool),
-            step_bits=as_t(np.concatenate(bits)))
+            step_bits=as_t(np.concatenate(bits)), max_query_len=max(len(i) for i in ids))
         return StepInputs(as_t(np.concatenate(ids)), as_t(np.concatenate(positions)), metadata, starts[:-1])
 
     @torch.inference_mode()

@@ -24,6 +24,7 @@ class StepMetadata:
     query_start: torch.Tensor  # [B + 1] cu_seqlens of the step tokens
     causal: torch.Tensor  # [B] bool: prompt chunk (causal) or tree (step_bits)
     step_bits: torch.Tensor  # [T] int64 ancestor bits within the sequence's step tokens
+    max_query_len: int = 64  # host-side bound on any sequence's step tokens (sizes the kernel grid)
 
     def __post_init__(self) -> None:
         t, b = self.slot_mapping.shape[0], self.block_tables.shape[0]
@@ -39,9 +40,20 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.step: StepMetadata | None = None
+        self.use_triton = device.type == "cuda" and _triton_available() and block_size >= 16
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]"""
+        s = self.step
+        if not self.use_triton:
+            return self._reference(layer, q, k, v)
+        from medusa.kernels.paged_attention_triton import paged_attention_triton, write_kv_triton
+
+        write_kv_triton(self.k[layer], self.v[layer], k.contiguous(), v.contiguous(), s.slot_mapping)
+        return paged_attention_triton(q.contiguous(), self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
+                                      s.query_start, s.causal, s.step_bits, self.block_size, s.max_query_len)
+
+    def _reference(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s = self.step
         write_kv_reference(self.k[layer], self.v[layer], k, v, s.slot_mapping)
         return paged_attention_reference(q, self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
@@ -49,6 +61,21 @@ class PagedKVCache:
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Compact accepted tree tokens into consecutive slots, in every layer at once."""
-        if src_slots.numel():
+        if not src_slots.numel():
+            return
+        if self.use_triton:
+            from medusa.kernels.paged_attention_triton import move_kv_triton
+
             for layer in range(self.k.shape[0]):
-                move_kv_reference(self.k[layer], self.v[layer], src_slots, dst_slots)
+                move_kv_triton(self.k[layer], self.v[layer], src_slots, dst_slots)
+            return
+        for layer in range(self.k.shape[0]):
+            move_kv_reference(self.k[layer], self.v[layer], src_slots, dst_slots)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

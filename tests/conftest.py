@@ -7,6 +7,11 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in its interpreter: set before any kernel is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -32,8 +37,6 @@ def default_model_dir(tmp_path_factory) -> Iterator[Path]:
 
 def pytest_collection_modifyitems(config, items):
     """`@pytest.mark.gpu` tests need CUDA: skip them on machines without it."""
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run through the device tool)")

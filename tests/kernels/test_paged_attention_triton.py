@@ -1,0 +1,99 @@
+"""The Triton paged tree-attention kernel against the PyTorch reference (interpreter on CPU, full size on GPU)."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from medusa.kernels.paged_attention import paged_attention_reference  # noqa: E402
+from medusa.kernels.paged_attention_triton import paged_attention_triton  # noqa: E402
+from medusa.tree import TreeSpec  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_batch(seed, kinds, prefix_max, hq, hkv, d, page, dtype, num_blocks=256):
+    """Sequences of each kind ('tree-N', 'chain-3', or an int prompt-chunk length) on scattered pages."""
+    g = torch.Generator().manual_seed(seed)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, bits, causal, kv_lens, q_lens = [], [], [], [], []
+    for kind in kinds:
+        prefix = int(torch.randint(0, prefix_max + 1, (1,), generator=g))
+        tree = TreeSpec.load(kind) if isinstance(kind, str) else None
+        q_len = tree.num_nodes if tree else kind
+        tables.append([free.pop() for _ in range(-(-(prefix + q_len) // page))])
+        bits.append(tree.ancestor_bits if tree else torch.zeros(q_len, dtype=torch.long))
+        causal.append(tree is None)
+        kv_lens.append(prefix + q_len)
+        q_lens.append(q_len)
+    width = max(len(t) for t in tables)
+    make = lambda *shape: (torch.rand(*shape, generator=g) + 0.1).to(dtype)  # noqa: E731  no zeros
+    batch = dict(
+        q=make(sum(q_lens), hq, d) - 0.5, k_cache=make(num_blocks * page, hkv, d) - 0.5,
+        v_cache=make(num_blocks * page, hkv, d),
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32),
+        kv_lens=torch.tensor(kv_lens), query_start=torch.tensor([0] + q_lens).cumsum(0),
+        causal=torch.tensor(causal), step_bits=torch.cat(bits))
+    return {k: v.to(DEVICE) for k, v in batch.items()}, max(q_lens)
+
+
+CASES = [  # (kinds, prefix_max, hq, hkv, d, page, dtype)
+    (["tree-8", 5, "chain-3", "tree-16"], 40, 4, 2, 64, 16, torch.float32),
+    (["tree-64", 1], 20, 2, 1, 64, 16, torch.float32),
+    ([17, "tree-4"], 50, 8, 2, 128, 16, torch.float32),
+    (["single", "tree-32"], 33, 4, 4, 64, 32, torch.float32),
+]
+
+
+@pytest.mark.parametrize("seed,case", [(s, c) for s, c in enumerate(CASES)])
+def test_kernel_matches_reference(seed, case):
+    kinds, prefix_max, hq, hkv, d, page, dtype = case
+    batch, max_q = random_batch(seed, kinds, prefix_max, hq, hkv, d, page, dtype)
+    expected = paged_attention_reference(**batch, block_size=page)
+    poisoned = torch.full_like(batch["q"], float("nan"))  # every row must be written
+    got = paged_attention_triton(**batch, block_size=page, max_query_len=max_q, out=poisoned)
+    assert not got.isnan().any()
+    assert torch.allclose(got.float(), expected.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_wrapper_names_bad_inputs():
+    batch, max_q = random_batch(0, ["tree-4"], 8, 2, 1, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention_triton(**{**batch, "q": batch["q"][..., :48].contiguous(),
+                                  "k_cache": batch["k_cache"][..., :48].contiguous(),
+                                  "v_cache": batch["v_cache"][..., :48].contiguous()}, block_size=16, max_query_len=max_q)
+    with pytest.raises(ValueError, match="int32"):
+        paged_attention_triton(**{**batch, "block_tables": batch["block_tables"].long()}, block_size=16,
+                               max_query_len=max_q)
+    with pytest.raises(ValueError, match="block_size"):
+        paged_attention_triton(**batch, block_size=12, max_query_len=max_q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_matches_reference_full_size(dtype):
+    kinds = ["tree-64"] * 24 + [512] * 4 + ["tree-16"] * 4
+    batch, max_q = random_batch(7, kinds, 2048, 32, 8, 128, 16, dtype, num_blocks=8192)
+    expected = paged_attention_reference(**batch, block_size=16)
+    got = paged_attention_triton(**batch, block_size=16, max_query_len=max_q)
+    assert torch.allclose(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_write_and_move_kernels_match_reference():
+    from medusa.kernels.paged_attention import move_kv_reference, write_kv_reference
+    from medusa.kernels.paged_attention_triton import move_kv_triton, write_kv_triton
+
+    g = torch.Generator().manual_seed(3)
+    caches = [torch.rand(64, 2, 16, generator=g).to(DEVICE) + 0.1 for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    k, v = (torch.rand(6, 2, 16, generator=g).to(DEVICE) + 0.1 for _ in range(2))
+    slots = torch.tensor([3, -1, 40, 41, 7, 63], device=DEVICE)
+    write_kv_triton(*caches, k, v, slots)
+    write_kv_reference(*ref, k, v, slots)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+    # compaction of accepted nodes 0, 2, 5 of a tree at 40..45, plus another sequence's 10 -> 9
+    src = torch.tensor([9 + 1, 40, 42, 45], device=DEVICE)
+    dst = torch.tensor([9, 40, 41, 42], device=DEVICE)
+    move_kv_triton(*caches, src, dst)
+    move_kv_reference(*ref, src, dst)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
