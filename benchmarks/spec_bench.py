@@ -112,16 +112,18 @@ def main() -> None:
     p.add_argument("--per-category", type=int, default=None)
     p.add_argument("--hf-per-category", type=int, default=0, help="questions per category for the HF baseline")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--quick", action="store_true", help="1 question per category, 16 tokens: a CPU smoke run")
+    p.add_argument("--limit", type=int, default=None, help="at most this many questions in all")
+    p.add_argument("--quick", action="store_true", help="4 questions, 8 tokens: a CPU smoke run (CI)")
     args = p.parse_args()
     if args.quick:
-        args.per_category, args.max_new_tokens, args.hf_per_category = 1, 16, min(args.hf_per_category, 1)
+        args.per_category, args.max_new_tokens, args.limit = 1, 8, 4
+        args.hf_per_category = min(args.hf_per_category, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = MedusaModel.from_pretrained(args.model, heads=args.heads, tree=args.tree)
     tree = model.resolve_tree()
     hf = _load_hf(model) if args.hf_per_category else None
-    questions = load_questions(Path(args.data), args.per_category)
+    questions = load_questions(Path(args.data), args.per_category)[: args.limit]
     model.generate("warm up", max_new_tokens=4)
     model.generate("warm up", max_new_tokens=4, speculative=False)
     records, hf_taken = [], defaultdict(int)

@@ -1,0 +1,176 @@
+"""Kernel and step-cost curves: tree-attention bandwidth, verification cost against tree size.
+
+    python benchmarks/kernels.py --out out/kernels                 # GPU, full size
+    python benchmarks/kernels.py --quick --out out/kernels-quick   # CPU smoke run (CI)
+
+1. Tree attention over paged KV (batch 32, 64 tree tokens, 8 KV heads of 128,
+   32 query heads by default) at growing contexts: achieved KV read bandwidth,
+   against a device-to-device copy measured in the same run.
+2. One engine forward (random weights in a real model's shape) for B sequences
+   x N tree tokens, N from 1 to 128: the curve the scheduler's tree budget uses.
+Writes results.json and, with matplotlib, kernels.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from medusa.config import ModelConfig
+from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
+from medusa.kernels.paged_attention import paged_attention_reference
+from medusa.loading import empty_model
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
+    "smollm2-135m": (576, 1536, 30, 9, 3, 49152),
+    "llama-3.2-1b": (2048, 8192, 16, 32, 8, 128256),
+    "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256),
+}
+
+
+def timed(fn, repeats: int, device: torch.device) -> float:
+    """Median seconds of fn() after one warm-up, timed with CUDA events on a GPU."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: torch.device, mib: int) -> float:
+    x = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    return 2 * x.numel() / timed(lambda: y.copy_(x), 10, device)
+
+
+def paged_batch(batch: int, context: int, tree: int, hq: int, hkv: int, d: int, dtype, device, page: int = 16):
+    """Random paged KV where each sequence has `context` tokens, the last `tree` of them a chain-shaped step."""
+    blocks_per_seq = -(-context // page)
+    k = torch.randn(batch * blocks_per_seq * page, hkv, d, dtype=dtype, device=device)
+    tables = torch.randperm(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq).to(torch.int32)
+    bits = torch.tensor([(1 << (i + 1)) - 1 for i in range(tree)], dtype=torch.long, device=device).repeat(batch)
+    return dict(q=torch.randn(batch * tree, hq, d, dtype=dtype, device=device), k_cache=k, v_cache=torch.randn_like(k),
+                block_tables=tables, kv_lens=torch.full((batch,), context, device=device),
+                query_start=torch.arange(batch + 1, device=device) * tree,
+                causal=torch.zeros(batch, dtype=torch.bool, device=device), step_bits=bits)
+
+
+def attention_curve(args, device, dtype) -> list[dict]:
+    rows = []
+    for context in args.contexts:
+        batch = paged_batch(args.batch, context, args.tree, args.q_heads, args.kv_heads, args.head_dim, dtype, device)
+        if device.type == "cuda":
+            from medusa.kernels.paged_attention_triton import paged_attention_triton
+
+            fn = lambda: paged_attention_triton(**batch, block_size=16, max_query_len=args.tree)  # noqa: E731
+        else:
+            fn = lambda: paged_attention_reference(**batch, block_size=16)  # noqa: E731
+        seconds = timed(fn, args.repeats, device)
+        kv_bytes = 2 * args.batch * context * args.kv_heads * args.head_dim * batch["k_cache"].element_size()
+        rows.append({"context": context, "seconds": seconds, "kv_gb_s": kv_bytes / seconds / 1e9})
+    return rows
+
+
+def step_curve(args, device, dtype) -> list[dict]:
+    hidden, inter, layers, heads, kv_heads, vocab = SHAPES[args.shape]
+    if args.quick:
+        hidden, inter, layers, heads, kv_heads, vocab = 64, 128, 2, 4, 2, 256
+    config = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
+                         max_position_embeddings=4096)
+    model = empty_model(config, dtype, device)
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    rows = []
+    for batch in args.batches:
+        pages = batch * (-(-(args.step_context + 128) // 16))
+        cache = PagedKVCache(config, pages, 16, dtype, device)
+        for tree in args.tree_sizes:
+            meta = _step_metadata(batch, tree, args.step_context, device)
+            ids = torch.zeros(batch * tree, dtype=torch.long, device=device)
+            pos = torch.full((batch * tree,), args.step_context, device=device)
+
+            def forward():
+                cache.step = meta
+                with torch.inference_mode():
+                    model.compute_logits(model(ids, pos, cache))
+
+            rows.append({"batch": batch, "tree_tokens": tree, "seconds": timed(forward, args.repeats, device)})
+    return rows
+
+
+def _step_metadata(batch: int, tree: int, context: int, device) -> StepMetadata:
+    per_seq = -(-(context + 128) // 16)
+    tables = torch.arange(batch * per_seq, device=device, dtype=torch.int32).view(batch, per_seq)
+    slots = (tables.long()[:, :1] * 16 + context + torch.arange(tree, device=device)).flatten()
+    bits = torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(tree)], device=device).repeat(batch)
+    return StepMetadata(slot_mapping=slots, block_tables=tables, kv_lens=torch.full((batch,), context + tree, device=device),
+                        query_start=torch.arange(batch + 1, device=device) * tree,
+                        causal=torch.full((batch,), tree > 64, dtype=torch.bool, device=device), step_bits=bits,
+                        max_query_len=tree)
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    att = results["attention"]
+    a.plot([r["context"] for r in att], [r["kv_gb_s"] for r in att], marker="o", label="tree attention")
+    a.axhline(results["copy_gb_s"], color="grey", ls="--", label="device copy")
+    a.set(xlabel="context tokens", ylabel="KV read GB/s", title="Tree attention bandwidth")
+    a.legend()
+    for batch in sorted({r["batch"] for r in results["steps"]}):
+        rows = [r for r in results["steps"] if r["batch"] == batch]
+        b.plot([r["tree_tokens"] for r in rows], [r["seconds"] * 1e3 for r in rows], marker="o", label=f"batch {batch}")
+    b.set(xlabel="tree tokens per sequence", ylabel="ms per step", xscale="log", title=f"Step cost ({results['shape']})")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    big = not args.quick
+    args.contexts = [512, 1024, 2048, 4096] if big else [64, 128]
+    args.batch, args.tree = (32, 64) if big else (2, 8)
+    args.q_heads, args.kv_heads, args.head_dim = (32, 8, 128) if big else (4, 2, 64)
+    args.batches, args.tree_sizes = ([1, 8, 32], [1, 2, 4, 8, 16, 32, 64, 128]) if big else ([1, 2], [1, 4])
+    args.step_context, args.repeats = (512, 20) if big else (32, 2)
+    shape = args.shape if big else "tiny (quick)"
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shape": shape,
+               "dtype": str(dtype), "copy_gb_s": copy_bandwidth(device, 1024 if big else 16) / 1e9,
+               "attention": attention_curve(args, device, dtype), "steps": step_curve(args, device, dtype)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    plot(results, out / "kernels.png")
+    print(json.dumps({k: v for k, v in results.items() if k != "steps"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
