@@ -36,14 +36,15 @@ class AsyncLLMEngine:
         self._queues[rid] = queue
         self._adds.append((rid, prompt, params))
         self._start()
-        finished = False
+        finished, left = False, params.n  # n > 1: one finished output per completion
         try:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     finished = True
                     raise item
-                finished = item.finished
+                left -= item.finished
+                finished = left == 0
                 yield item
         finally:
             self._queues.pop(rid, None)
@@ -81,7 +82,13 @@ class AsyncLLMEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            outputs = await asyncio.to_thread(self.engine.step)
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as err:  # never leave consumers waiting forever: fail them all
+                for rid, queue in list(self._queues.items()):
+                    queue.put_nowait(err)
+                    self.engine.abort(rid)
+                continue
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:

@@ -29,7 +29,8 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below 1e-5 the softmax of logits / T overflows to NaN; it is argmax in all but name
+        return self.temperature < 1e-5
 
 
 def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:

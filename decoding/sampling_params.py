@@ -32,6 +32,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not 1 <= self.n <= 64:
             raise ValueError(f"n must be in [1, 64], got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

@@ -1,4 +1,4 @@
-"""The `medusa` command: `medusa generate` (and `medusa serve` once the server lands)."""
+"""The `medusa` command: `medusa generate` and `medusa serve` (the OpenAI-compatible server)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="medusa", description="Medusa speculative decoding")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands.add_parser("generate", help="generate text for one prompt"))
+    _add_serve(commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -38,6 +39,13 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also decode without speculation and report the measured speedup")
     p.set_defaults(run=_generate)
+
+
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    from medusa.decoding.server.cli import add_arguments, serve
+
+    add_arguments(p)
+    p.set_defaults(run=serve)
 
 
 def _generate(args: argparse.Namespace) -> int:

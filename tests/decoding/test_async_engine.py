@@ -84,3 +84,29 @@ def test_sync_stream_yields_until_finished(tiny):
     outs = list(stream(engine, [1, 2, 3], SamplingParams(max_tokens=10)))
     assert outs[-1].finished and len(outs[-1].token_ids) == 10
     assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids
+
+
+def test_n_completions_stream_to_the_end_and_step_errors_reach_consumers(tiny):
+    model, heads = tiny
+    engine = LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4))
+    served = AsyncLLMEngine(engine)
+
+    async def main():
+        outs = [o async for o in served.generate([1, 2], SamplingParams(max_tokens=5, n=3, temperature=1.0, seed=1))]
+        finished = sorted(o.index for o in outs if o.finished)
+
+        def broken_step():
+            raise RuntimeError("device fell over")
+
+        engine.step = broken_step
+        try:
+            async for _ in served.generate([3, 4], SamplingParams(max_tokens=5)):
+                pass
+        except RuntimeError as err:
+            error = str(err)
+        await served.shutdown()
+        return finished, error
+
+    finished, error = asyncio.run(main())
+    assert finished == [0, 1, 2]
+    assert error == "device fell over"

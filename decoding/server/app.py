@@ -1,0 +1,210 @@
+"""The OpenAI-compatible FastAPI app: a drop-in for a vLLM endpoint.
+
+    app = build_app(MedusaModel.from_pretrained(), "SmolLM2-135M-Instruct")
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Each app owns its engines (one per decoding mode, built from the model's
+weights, which they share): `speculative=false` requests run on a plain engine,
+because an AsyncLLMEngine drives exactly one LLMEngine. Owning them (rather
+than using `model.engine()`) keeps two apps in one process from driving the
+same engine from two event loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from medusa.decoding.async_engine import AsyncLLMEngine
+from medusa.decoding.engine import EngineConfig, LLMEngine
+from medusa.decoding.server import protocol as p
+from medusa.decoding.server.errors import APIError, bad_request, from_validation
+from medusa.decoding.server.jobs import Job, chat_job, completion_job, context_limit
+from medusa.decoding.server.metrics import CONTENT_TYPE, ServerMetrics
+from medusa.decoding.server.responses import Formatter, engine_outputs, full_response, shutting_down, stream_events
+
+log = logging.getLogger("medusa.server")
+
+
+class ServerState:
+    def __init__(self, model: Any, served_name: str, api_key: str | None, max_waiting: int,
+                 engine_config: EngineConfig) -> None:
+        self.model, self.served_name, self.api_key = model, served_name, api_key
+        self.max_waiting, self.engine_config = max_waiting, engine_config
+        self.max_model_len = context_limit(model, engine_config)
+        self.engines: dict[bool, AsyncLLMEngine] = {}
+        self.live: set[asyncio.Queue] = set()  # output queues of requests in flight
+        self.closing = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, for signal handlers
+        self.metrics = ServerMetrics(self._engine_list, self._pending)
+        self.engine(True)  # build the default engine now, not on the first request
+
+    def engine(self, speculative: bool) -> AsyncLLMEngine:
+        key = speculative and self.model.heads is not None
+        if key not in self.engines:
+            m = self.model
+            llm = LLMEngine(m.base, m.heads if key else None, self.engine_config, m.tokenizer, sorted(m.eos_token_ids))
+            self.engines[key] = AsyncLLMEngine(llm)
+        return self.engines[key]
+
+    def _engine_list(self) -> list[tuple[LLMEngine, bool]]:
+        return [(e.engine, key) for key, e in list(self.engines.items())]
+
+    def _pending(self) -> int:
+        return sum(e.num_pending for e in list(self.engines.values()))
+
+    def admit(self, job: Job) -> None:
+        """503 while shutting down or when the waiting queue is full; 400 for a job that could never fit."""
+        if self.closing:
+            raise shutting_down()
+        waiting = sum(e.engine.stats().num_waiting for e in self.engines.values()) + self._pending()
+        if waiting >= self.max_waiting:
+            raise APIError(503, f"the server is overloaded ({waiting} requests waiting); retry later",
+                           code="server_overloaded")
+        if job.num_choices > self.max_waiting:
+            raise bad_request(f"{job.num_choices} completions (prompts x n) in one request is more than this "
+                              f"server queues ({self.max_waiting})", "n")
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.served_name}'",
+                           "model", "model_not_found")
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and end every request in flight (their engine requests are aborted)."""
+        self.closing = True
+        for queue in list(self.live):
+            queue.put_nowait((None, None))
+
+    async def shutdown(self) -> None:
+        self.begin_shutdown()
+        for _ in range(100):  # let the loop apply the aborts, so every KV block is returned
+            if not any(e.engine.has_unfinished() for e in self.engines.values()):
+                break
+            await asyncio.sleep(0.02)
+        for engine in self.engines.values():
+            await engine.shutdown()
+
+
+def build_app(model: Any, served_name: str, api_key: str | None = None, max_waiting: int = 256,
+              engine_config: EngineConfig | None = None) -> FastAPI:
+    """The app serving `model` as `served_name`; with api_key, /v1 routes need `Authorization: Bearer`."""
+    state = ServerState(model, served_name, api_key, max_waiting, engine_config or EngineConfig())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        yield
+        await state.shutdown()  # uvicorn got SIGTERM: abort what runs, free the KV, stop the engine loops
+
+    app = FastAPI(title="medusa", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if state.closing else 200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        state.authorize(request)
+        card = p.ModelCard(id=state.served_name, max_model_len=state.max_model_len)
+        return JSONResponse(p.ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = await _parse(request, state, p.ChatCompletionRequest)
+        return await _serve(request, state, chat_job(req, state.model, state.max_model_len))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, state, p.CompletionRequest)
+        return await _serve(request, state, completion_job(req, state.model, state.max_model_len))
+
+
+async def _parse(request: Request, state: ServerState, cls: type[p.BaseModel]) -> Any:
+    state.authorize(request)
+    try:
+        req = cls.model_validate_json(await request.body())
+    except ValidationError as err:
+        raise from_validation(err) from None
+    state.check_model(req.model)
+    return req
+
+
+async def _serve(request: Request, state: ServerState, job: Job) -> Response:
+    state.admit(job)
+    tracker = state.metrics.track(sum(len(ids) for ids in job.prompts))
+    fmt = Formatter(job, state.served_name, state.model.tokenizer)
+    outputs = engine_outputs(state.engine(job.speculative), job, state.live)
+    if job.stream:
+        events = stream_events(job, outputs, fmt, tracker)
+        return _ClosingStream(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    response = await full_response(request, job, outputs, fmt, tracker)
+    if response is None:  # the client is gone: nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(response.model_dump())
+
+
+class _ClosingStream(StreamingResponse):
+    """Closes the event generator however the response ends.
+
+    Starlette cancels the streaming task when the client disconnects but leaves
+    the generator to the garbage collector; closing it here aborts the engine
+    request at once, so its KV blocks are freed at the next step.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def error(err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        return error(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        return error(bad_request("invalid request: " + "; ".join(str(e.get("msg")) for e in err.errors()[:3])))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        return error(APIError(err.status_code, str(err.detail)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)  # the trace goes to the log, never the client
+        return error(APIError(500, "internal server error"))

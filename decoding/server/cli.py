@@ -1,0 +1,80 @@
+"""`medusa serve`: load a model and serve it over the OpenAI API with uvicorn.
+
+fastapi / uvicorn are imported only when serving, so `medusa generate` works
+without the `serve` extra installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--heads", default=None, help="heads folder/file; 'none' for plain decoding only")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("MEDUSA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MEDUSA_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together in one step")
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
+    p.add_argument("--num-kv-blocks", type=int, default=512, help="paged KV cache size, in 16-token blocks")
+    p.add_argument("--device", default=None)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from medusa.decoding.engine import EngineConfig
+    from medusa.decoding.scheduler import SchedulerConfig
+    from medusa.decoding.server.app import build_app
+    from medusa.default_model import DEFAULT_MODEL_NAME
+    from medusa.medusa_model import MedusaModel
+
+    if args.max_num_seqs < 1 or args.max_waiting < 1 or args.num_kv_blocks < 1:
+        raise ValueError("--max-num-seqs, --max-waiting and --num-kv-blocks must be >= 1")
+    start = time.perf_counter()
+    heads = None if args.heads in (None, "none") else args.heads
+    model = MedusaModel.from_pretrained(args.model, heads=heads, device=args.device)
+    if args.heads == "none":
+        model.heads = None
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(2048, args.max_num_seqs))
+    app = build_app(model, name, api_key=args.api_key, max_waiting=args.max_waiting,
+                    engine_config=EngineConfig(num_blocks=args.num_kv_blocks, scheduler=scheduler))
+    print(f"[medusa serve: '{name}' loaded in {time.perf_counter() - start:.1f}s on "
+          f"{model.base.embed_tokens.weight.device}; heads: {'yes' if model.heads is not None else 'none'}]",
+          file=sys.stderr)
+    server = _make_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=10))
+    # uvicorn re-raises the signal it stopped on once it is done; exit 0 then (a clean shutdown),
+    # not by the default SIGTERM action. Installed only now, so a SIGTERM while loading still kills.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
+    server.run()
+    return 0
+
+
+def _make_server(config):
+    """A uvicorn.Server that, on SIGTERM / SIGINT, also ends the requests in flight at once
+    (streams get an error event), so shutdown does not wait for long generations."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            state = config.app.state.server
+            if state.loop is not None:
+                state.loop.call_soon_threadsafe(state.begin_shutdown)
+
+    return Server(config)
+
+
+def _exit_cleanly(sig, frame) -> None:
+    raise SystemExit(0)

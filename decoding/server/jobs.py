@@ -1,0 +1,169 @@
+"""Turn a parsed OpenAI request into a Job: prompt token ids and engine SamplingParams.
+
+All the semantic checks live here (context length, vocabulary, options the
+engine cannot honour), so the engine only ever sees requests it can run.
+
+Penalties (presence / frequency / repetition), logit_bias, tools, structured
+output and `suffix` are refused with a 400 rather than silently ignored: a
+penalty would have to be applied along every tree node's own path during
+verification to stay lossless, which the engine does not do yet.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from medusa.decoding.engine import EngineConfig
+from medusa.decoding.sampling_params import SamplingParams
+from medusa.decoding.server.errors import APIError, bad_request, unsupported
+from medusa.decoding.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+
+# LLMEngine.add_request keeps this many positions spare beyond prompt + max_tokens.
+ENGINE_CONTEXT_MARGIN = 8
+# Below this a temperature only amplifies float error: treat it as greedy (vLLM does the same).
+GREEDY_BELOW = 1e-5
+
+
+def context_limit(model: Any, config: EngineConfig) -> int:
+    """Prompt + output tokens one request may hold: the model's context, and no more than the KV
+    pool leaves beside a tree's lookahead slots (a request that can never fit would wait forever)."""
+    kv_tokens = config.num_blocks * config.block_size - config.scheduler.max_tree_tokens
+    return min(model.base.config.max_position_embeddings, kv_tokens) - ENGINE_CONTEXT_MARGIN
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str  # "chat" or "completion"
+    request_id: str
+    prompts: list[list[int]]  # token ids of each prompt
+    params: SamplingParams
+    speculative: bool
+    stream: bool
+    include_usage: bool
+    echo: list[str] | None = None  # prompt texts to prepend (completions with echo=true)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.params.n
+
+
+def chat_job(req: ChatCompletionRequest, model: Any, max_model_len: int) -> Job:
+    _refuse_unsupported(req)
+    if req.tools and req.tool_choice != "none":
+        raise unsupported("tools", "the server does not parse tool calls")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise unsupported("response_format", "structured output is not implemented")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+    messages = []
+    for i, message in enumerate(req.messages):
+        text = message.text()
+        if text is None:
+            raise bad_request(f"messages[{i}].content must be text", "messages")
+        messages.append({"role": "system" if message.role == "developer" else message.role, "content": text})
+    ids = _encode(model, messages, "messages")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = _sampling_params(req, [ids], max_tokens, logprobs, model, max_model_len)
+    return _job("chat", req, [ids], params)
+
+
+def completion_job(req: CompletionRequest, model: Any, max_model_len: int) -> Job:
+    _refuse_unsupported(req)
+    if req.suffix:
+        raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise unsupported("best_of", "only best_of == n is served")
+    if req.echo and req.logprobs is not None:
+        raise unsupported("echo", "prompt logprobs are not computed, so echo cannot be combined with logprobs")
+    prompts = _prompt_list(req.prompt)
+    ids = [_encode(model, p, "prompt") for p in prompts]
+    params = _sampling_params(req, ids, req.max_tokens, req.logprobs, model, max_model_len)
+    echo = [p if isinstance(p, str) else model.tokenizer.decode(p) for p in prompts] if req.echo else None
+    return _job("completion", req, ids, params, echo)
+
+
+def _job(kind: str, req: _SamplingRequest, prompts: list[list[int]], params: SamplingParams,
+         echo: list[str] | None = None) -> Job:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return Job(kind, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.speculative is not False,
+               bool(req.stream), include_usage, echo)
+
+
+def _refuse_unsupported(req: _SamplingRequest) -> None:
+    why = "penalties are not applied during tree verification yet"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise unsupported(name, why)
+    if req.repetition_penalty not in (None, 1.0):
+        raise unsupported("repetition_penalty", why)
+    if req.logit_bias:
+        raise unsupported("logit_bias", "logit bias is not implemented")
+
+
+def _prompt_list(prompt: Any) -> list[Any]:
+    """The four OpenAI prompt forms -> a list of prompts (each a string or token ids)."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise bad_request("prompt must not be empty", "prompt")
+    return prompts
+
+
+def _encode(model: Any, inputs: Any, param: str) -> list[int]:
+    try:
+        ids = model.encode(inputs)
+    except (ValueError, TypeError, TemplateError) as err:  # out-of-vocabulary ids, no chat template,
+        raise bad_request(str(err), param) from None       # a template refusing the conversation
+    if not ids:
+        raise bad_request(f"{param} encodes to no tokens", param)
+    return ids
+
+
+def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
+                     logprobs: int | None, model: Any, max_model_len: int) -> SamplingParams:
+    room = _room(prompts, max_model_len)
+    if max_tokens is None:
+        max_tokens = room  # OpenAI's chat default: as long as the context allows
+    elif max_tokens > room:
+        raise bad_request(f"max_tokens ({max_tokens}) is more than the context leaves after the prompt "
+                          f"({room})", "max_tokens", "context_length_exceeded")
+    _check_token_ids(req.stop_token_ids or [], model, "stop_token_ids")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0),
+            seed=None if req.seed is None else req.seed % 2**64,  # the sampler wants a non-negative seed
+            stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=bool(req.ignore_eos), n=req.n or 1, logprobs=logprobs,
+            speculative=req.speculative is not False)
+    except ValueError as err:  # e.g. min_tokens > max_tokens
+        raise bad_request(str(err)) from None
+
+
+def _room(prompts: list[list[int]], max_model_len: int) -> int:
+    """Output tokens left after the longest prompt (400 if none)."""
+    longest = max(len(p) for p in prompts)
+    if longest >= max_model_len:
+        raise APIError(400, f"the prompt has {longest} tokens, but this server's context is {max_model_len} tokens",
+                       code="context_length_exceeded")
+    return max_model_len - longest
+
+
+def _check_token_ids(ids: list[int], model: Any, param: str) -> None:
+    vocab = model.base.config.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise bad_request(f"{param} must be token ids in [0, {vocab})", param)

@@ -1,0 +1,270 @@
+"""Run a Job on the async engine and shape what comes back as OpenAI responses or SSE chunks.
+
+A job's choices run as separate engine requests whose outputs are merged into
+one stream of (choice index, RequestOutput); choice index = prompt * n + j,
+as OpenAI numbers them. Whoever stops reading that stream (a client that
+disconnected, a server shutting down) closes it, which cancels the per-choice
+consumers and so aborts their engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+
+from medusa.decoding.async_engine import AsyncLLMEngine
+from medusa.decoding.engine import RequestOutput, TokenLogprob
+from medusa.decoding.server import protocol as p
+from medusa.decoding.server.errors import APIError
+from medusa.decoding.server.jobs import Job
+from medusa.decoding.server.metrics import RequestTracker
+
+log = logging.getLogger("medusa.server")
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", code="server_shutting_down")
+
+
+async def engine_outputs(engine: AsyncLLMEngine, job: Job, live: set[asyncio.Queue]
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Merge the job's engine streams, one per choice. `live` holds the queue while it runs, so the
+    server can push a shutdown notice (choice None) into it.
+
+    Each choice is its own n=1 engine request (seeded seed + j, as the engine seeds its n
+    sequences): AsyncLLMEngine.generate ends at the first finished output, so one request with
+    n > 1 would lose its other sequences' endings. Prefix caching still shares the prompt's KV.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    n, seed = job.params.n, job.params.seed
+
+    async def pump(choice: int, ids: list[int]) -> None:
+        j = choice % n
+        params = replace(job.params, n=1, seed=None if seed is None else seed + j)
+        try:
+            async for out in engine.generate(ids, params, request_id=f"{job.request_id}-{choice}"):
+                queue.put_nowait((choice, out))
+        except Exception as err:  # reaches the reader, which turns it into an error object
+            queue.put_nowait((choice, err))
+        finally:
+            queue.put_nowait((choice, None))
+
+    tasks = [asyncio.ensure_future(pump(i * n + j, ids)) for i, ids in enumerate(job.prompts) for j in range(n)]
+    live.add(queue)
+    try:
+        running = len(tasks)
+        while running:
+            choice, item = await queue.get()
+            if choice is None:  # ServerState.begin_shutdown
+                raise shutting_down()
+            if item is None:
+                running -= 1
+            elif isinstance(item, ValueError):  # the engine refused the request (add_request's checks)
+                raise APIError(400, str(item)) from item
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield choice, item
+    finally:
+        live.discard(queue)
+        for task in tasks:  # cancelling a pump closes its engine stream, which aborts the request
+            task.cancel()
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_offset: int = 0  # characters already streamed (completions' logprobs.text_offset)
+
+
+class Formatter:
+    """Builds one job's response objects; tokens are decoded once for logprobs."""
+
+    def __init__(self, job: Job, model_name: str, tokenizer: Any) -> None:
+        self.job, self.model_name, self.tokenizer = job, model_name, tokenizer
+        self.created = int(time.time())
+        self.choices = [_Choice() for _ in range(job.num_choices)]
+        self._token_text: dict[int, str] = {}
+
+    # ---- accumulation ------------------------------------------------------
+
+    def add(self, choice: int, out: RequestOutput) -> None:
+        acc = self.choices[choice]
+        acc.text += out.new_text
+        acc.num_tokens += len(out.new_token_ids)
+        acc.logprobs += out.new_logprobs or []
+        if out.finished:
+            acc.finish_reason = out.finish_reason
+
+    def usage(self) -> p.Usage:
+        prompt = sum(len(ids) for ids in self.job.prompts)
+        completion = sum(c.num_tokens for c in self.choices)
+        return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def _echo(self, choice: int) -> str:
+        return self.job.echo[choice // self.job.params.n] if self.job.echo else ""
+
+    # ---- full responses ----------------------------------------------------
+
+    def response(self) -> p.ChatCompletionResponse | p.CompletionResponse:
+        common = dict(id=self.job.request_id, created=self.created, model=self.model_name, usage=self.usage())
+        if self.job.kind == "chat":
+            return p.ChatCompletionResponse(choices=[p.ChatChoice(
+                index=i, message=p.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                logprobs=self._chat_logprobs(c.logprobs)) for i, c in enumerate(self.choices)], **common)
+        return p.CompletionResponse(choices=[p.CompletionChoice(
+            index=i, text=self._echo(i) + c.text, finish_reason=c.finish_reason,
+            logprobs=self._completion_logprobs(c, c.logprobs)) for i, c in enumerate(self.choices)], **common)
+
+    # ---- streaming ---------------------------------------------------------
+
+    def opening_chunks(self) -> list[p.BaseModel]:
+        """Chat: each choice's first delta carries the role. Completions: the echoed prompts."""
+        if self.job.kind == "chat":
+            return [self._chunk(p.ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}))
+                    for i in range(self.job.num_choices)]
+        return [self._chunk(p.CompletionChoice(index=i, text=self._echo(i))) for i in range(self.job.num_choices)
+                if self._echo(i)]
+
+    def chunk(self, choice: int, out: RequestOutput) -> p.BaseModel | None:
+        """The chunk for one engine output (None when it carries nothing yet: text held back by the detokenizer)."""
+        acc = self.choices[choice]
+        new_logprobs = out.new_logprobs or []
+        if not (out.new_text or out.finished or new_logprobs):
+            return None
+        if self.job.kind == "chat":
+            delta = {"content": out.new_text} if out.new_text else {}
+            return self._chunk(p.ChatChunkChoice(index=choice, delta=delta, finish_reason=acc.finish_reason,
+                                                 logprobs=self._chat_logprobs(new_logprobs)))
+        logprobs = self._completion_logprobs(acc, new_logprobs)
+        acc.text_offset += len(out.new_text)
+        return self._chunk(p.CompletionChoice(index=choice, text=out.new_text, finish_reason=acc.finish_reason,
+                                              logprobs=logprobs))
+
+    def usage_chunk(self) -> p.BaseModel:
+        return self._chunk(None, usage=self.usage())
+
+    def _chunk(self, choice: Any, usage: p.Usage | None = None) -> p.BaseModel:
+        cls = p.ChatCompletionChunk if self.job.kind == "chat" else p.CompletionResponse
+        return cls(id=self.job.request_id, created=self.created, model=self.model_name,
+                   choices=[choice] if choice is not None else [], usage=usage)
+
+    # ---- logprobs ----------------------------------------------------------
+
+    def _text(self, token_id: int) -> str:
+        if token_id not in self._token_text:
+            self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return self._token_text[token_id]
+
+    def _chat_logprobs(self, entries: list[TokenLogprob]) -> p.ChatLogprobs | None:
+        if self.job.params.logprobs is None:
+            return None
+        content = []
+        for e in entries:
+            top = [p.TopLogprob(token=self._text(t), logprob=_finite(lp), bytes=list(self._text(t).encode()))
+                   for t, lp in e.top]
+            text = self._text(e.token_id)
+            content.append(p.ChatTokenLogprob(token=text, logprob=_finite(e.logprob), bytes=list(text.encode()),
+                                              top_logprobs=top))
+        return p.ChatLogprobs(content=content)
+
+    def _completion_logprobs(self, acc: _Choice, entries: list[TokenLogprob]) -> p.CompletionLogprobs | None:
+        if self.job.params.logprobs is None:
+            return None
+        out, offset = p.CompletionLogprobs(), acc.text_offset
+        for e in entries:
+            text = self._text(e.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(_finite(e.logprob))
+            out.top_logprobs.append({self._text(t): _finite(lp) for t, lp in e.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # OpenAI reports impossible tokens as -9999 (JSON has no -inf)
+
+
+def sse(payload: p.BaseModel | dict | str) -> str:
+    if isinstance(payload, p.BaseModel):
+        payload = payload.model_dump_json()
+    elif isinstance(payload, dict):
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n"
+
+
+async def stream_events(job: Job, outputs: AsyncIterator, fmt: Formatter, tracker: RequestTracker
+                        ) -> AsyncIterator[str]:
+    """SSE events of one job, ending with `data: [DONE]`; an error mid-stream becomes an error event."""
+    complete = False
+    try:
+        for chunk in fmt.opening_chunks():
+            yield sse(chunk)
+        async for choice, out in outputs:
+            fmt.add(choice, out)
+            tracker.output(choice, out)
+            chunk = fmt.chunk(choice, out)
+            if chunk is not None:
+                yield sse(chunk)
+        if job.include_usage:
+            yield sse(fmt.usage_chunk())
+        complete = True
+    except APIError as err:
+        yield sse(err.body())
+    except Exception:
+        log.exception("request %s failed mid-stream", job.request_id)
+        yield sse(APIError(500, "internal error while generating").body())
+    finally:
+        await outputs.aclose()  # a client that left: abort now, not when the generator is collected
+        if not complete:
+            tracker.aborted(job.num_choices)
+    yield "data: [DONE]\n\n"
+
+
+async def full_response(request: Request, job: Job, outputs: AsyncIterator, fmt: Formatter,
+                        tracker: RequestTracker) -> p.BaseModel | None:
+    """Run the job to the end; None if the client disconnected first (its requests are aborted)."""
+
+    async def drain() -> None:
+        try:
+            async for choice, out in outputs:
+                fmt.add(choice, out)
+                tracker.output(choice, out)
+        finally:
+            await outputs.aclose()
+
+    work = asyncio.ensure_future(drain())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself was cancelled (server shutdown)
+        work.cancel()
+        gone.cancel()
+        raise
+    gone.cancel()
+    if work not in done:  # the client left: cancelling the drain aborts the engine requests
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        tracker.aborted(job.num_choices)
+        return None
+    try:
+        work.result()
+    except BaseException:
+        tracker.aborted(job.num_choices)
+        raise
+    return fmt.response()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,181 @@
+"""Malformed requests get the right status and an OpenAI error object, never a 500 or a trace,
+and the server keeps serving afterwards (a fuzz over request bodies included)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from medusa.decoding.engine import EngineConfig
+from medusa.decoding.server import build_app
+
+MSG = [{"role": "user", "content": "Say hi."}]
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+
+
+def chat(**fields):
+    return {"messages": MSG, "max_tokens": 4, **fields}
+
+
+def comp(**fields):
+    return {"prompt": "Hello", "max_tokens": 4, **fields}
+
+
+# (endpoint, body: dict or raw text, status, the error's param when it names one)
+BAD = [
+    (CHAT, '{"messages": [', 400, None),
+    (CHAT, "[1, 2]", 400, None),
+    (CHAT, "", 400, None),
+    (CHAT, {"max_tokens": 4}, 400, "messages"),
+    (CHAT, chat(messages=[]), 400, "messages"),
+    (CHAT, chat(messages="hi"), 400, "messages"),
+    (CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages"),
+    (CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "messages"),
+    (CHAT, chat(max_tokens=-1), 400, "max_tokens"),
+    (CHAT, chat(max_tokens=0), 400, "max_tokens"),
+    (CHAT, chat(max_tokens="8"), 400, "max_tokens"),
+    (CHAT, chat(max_tokens=1.5), 400, "max_tokens"),
+    (CHAT, chat(max_tokens=10**6), 400, "max_tokens"),
+    (CHAT, chat(max_completion_tokens=-5), 400, "max_completion_tokens"),
+    (CHAT, chat(temperature=-0.5), 400, "temperature"),
+    (CHAT, chat(temperature="hot"), 400, "temperature"),
+    (CHAT, '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "temperature"),
+    (CHAT, chat(top_p=0), 400, "top_p"),
+    (CHAT, chat(top_p=1.5), 400, "top_p"),
+    (CHAT, chat(top_k=-2), 400, "top_k"),
+    (CHAT, chat(n=0), 400, "n"),
+    (CHAT, chat(n=65), 400, "n"),
+    (CHAT, chat(stop=5), 400, "stop"),
+    (CHAT, chat(stop=[""]), 400, "stop"),
+    (CHAT, chat(seed="x"), 400, "seed"),
+    (CHAT, chat(seed=2**70), 400, "seed"),
+    (CHAT, chat(stream="yes"), 400, "stream"),
+    (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    (CHAT, chat(presence_penalty=0.5), 400, "presence_penalty"),
+    (CHAT, chat(frequency_penalty=3), 400, "frequency_penalty"),
+    (CHAT, chat(logprobs=5), 400, "logprobs"),
+    (CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    (CHAT, chat(min_tokens=9), 400, None),
+    (CHAT, chat(logit_bias={"1": 5}), 400, "logit_bias"),
+    (CHAT, chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (CHAT, chat(messages=[{"role": "user", "content": "hello " * 5000}]), 400, None),
+    (CHAT, chat(model="gpt-17"), 404, "model"),
+    (COMP, {"max_tokens": 4}, 400, "prompt"),
+    (COMP, comp(prompt=[]), 400, "prompt"),
+    (COMP, comp(prompt=""), 400, "prompt"),
+    (COMP, comp(prompt=[[]]), 400, "prompt"),
+    (COMP, comp(prompt=[99999999]), 400, "prompt"),
+    (COMP, comp(prompt=[1, "a"]), 400, "prompt"),
+    (COMP, comp(prompt="hello " * 5000), 400, None),
+    (COMP, comp(logprobs=21), 400, "logprobs"),
+    (COMP, comp(echo=True, logprobs=1), 400, "echo"),
+    (COMP, comp(suffix="x"), 400, "suffix"),
+    (COMP, comp(best_of=3), 400, "best_of"),
+    (COMP, comp(model="nope"), 404, "model"),
+]
+
+
+def post(client, path, body):
+    raw = body if isinstance(body, str) else json.dumps(body)
+    return client.post(path, content=raw, headers={"content-type": "application/json"})
+
+
+def assert_error(resp, status, param=None):
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str)
+    assert "Traceback" not in resp.text and 'File "' not in resp.text
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_model):
+    app = build_app(tiny_model, "tiny", engine_config=EngineConfig(num_blocks=128))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}-{c[0][4:8]}" for i, c in enumerate(BAD)])
+def test_bad_request_gets_error_object(tiny_client, path, body, status, param):
+    assert_error(post(tiny_client, path, body), status, param)
+
+
+def test_server_keeps_serving_and_ignores_unknown_fields(tiny_client):
+    for path, body, _, _ in BAD:
+        post(tiny_client, path, body)
+    ok = post(tiny_client, CHAT, chat(whatever={"nested": [1]}, user="u", max_tokens=3))
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert_error(tiny_client.get("/v1/nothing"), 404)
+    assert_error(tiny_client.get(CHAT), 405)
+
+
+def test_api_key(tiny_model):
+    app = build_app(tiny_model, "tiny", api_key="sekret", engine_config=EngineConfig(num_blocks=64))
+    with TestClient(app) as client:
+        assert_error(post(client, CHAT, chat()), 401)
+        assert_error(client.post(CHAT, json=chat(), headers={"Authorization": "Bearer wrong"}), 401)
+        assert_error(client.get("/v1/models"), 401)
+        assert client.get("/health").status_code == 200  # probes and scrapers need no key
+        good = client.post(CHAT, json=chat(), headers={"Authorization": "Bearer sekret"})
+        assert good.status_code == 200 and good.json()["object"] == "chat.completion"
+
+
+def test_full_queue_is_503(tiny_model):
+    app = build_app(tiny_model, "tiny", max_waiting=0, engine_config=EngineConfig(num_blocks=64))
+    with TestClient(app) as client:
+        assert_error(post(client, CHAT, chat()), 503)
+
+
+# ---- fuzz -----------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8)
+FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
+          "stop", "seed", "stream", "stream_options", "presence_penalty", "frequency_penalty", "logprobs",
+          "top_logprobs", "ignore_eos", "min_tokens", "speculative", "echo", "stop_token_ids", "logit_bias"]
+# Plausible values mixed in, so the fuzz also reaches past the first validation error.
+plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3], ["a", "b"]]),
+             "max_tokens": st.integers(-2, 6), "n": st.integers(0, 3), "temperature": st.floats(-1, 3),
+             "stream": st.booleans(), "logprobs": st.one_of(st.booleans(), st.integers(-1, 3))}
+
+
+@st.composite
+def bodies(draw):
+    body = dict(draw(st.sampled_from([chat(), comp(), {}])))
+    for name in draw(st.lists(st.sampled_from(FIELDS), max_size=5, unique=True)):
+        body[name] = draw(plausible[name] if name in plausible and draw(st.booleans()) else json_values)
+    return body
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies(), path=st.sampled_from([CHAT, COMP]))
+def test_fuzz_never_500(tiny_client, body, path):
+    resp = post(tiny_client, path, body)
+    event(f"status {resp.status_code}")
+    assert resp.status_code in (200, 400, 404), resp.text
+    if resp.status_code != 200:
+        assert_error(resp, resp.status_code)
+    elif not body.get("stream") is True:
+        assert resp.json()["object"] in ("chat.completion", "text_completion")
+
+
+@pytest.mark.slow
+def test_real_server_survives_bad_requests(real_server):
+    url, _ = real_server
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for path, body, status, param in BAD:
+            assert_error(post(client, path, body), status, param)
+        good = post(client, CHAT, chat(max_tokens=4, temperature=0))
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1

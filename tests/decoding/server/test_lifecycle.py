@@ -1,0 +1,124 @@
+"""Clients that leave abort their requests and free every KV block; SIGTERM shuts `medusa serve` down cleanly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+CHAT = "/v1/chat/completions"
+LONG = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 2000, "ignore_eos": True,
+        "temperature": 0}
+
+
+def wait_until(condition, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def all_blocks_free(app) -> bool:
+    engines = [e.engine for e in app.state.server.engines.values()]
+    return all(not e.has_unfinished() and e.blocks.num_free_blocks == e.blocks.num_blocks for e in engines)
+
+
+def aborted(app) -> float:
+    value = app.state.server.metrics.registry.get_sample_value("medusa:request_success_total",
+                                                               {"finished_reason": "abort"})
+    return value or 0.0
+
+
+def first_content(lines) -> dict:
+    """Read SSE lines until a chunk with generated text: the request is then decoding."""
+    for line in lines:
+        if line.startswith("data: {"):
+            chunk = json.loads(line[len("data: "):])
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                return chunk
+    raise AssertionError("the stream ended before any text")
+
+
+@pytest.mark.slow
+def test_disconnect_mid_stream_aborts_and_frees_kv(real_server):
+    url, app = real_server
+    before = aborted(app)
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", CHAT, json={**LONG, "stream": True}) as resp:
+            assert resp.status_code == 200
+            first_content(resp.iter_lines())
+            assert app.state.server.engines[True].engine.has_unfinished()
+        # leaving the block closes the connection with the stream unread: the client is gone
+    assert wait_until(lambda: all_blocks_free(app)), "the aborted request still holds KV blocks"
+    assert aborted(app) == before + 1
+
+
+@pytest.mark.slow
+def test_disconnect_while_waiting_for_a_full_response(real_server):
+    url, app = real_server
+    before = aborted(app)
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(60, read=1.5)) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            client.post(CHAT, json=LONG)
+    assert wait_until(lambda: all_blocks_free(app))
+    assert aborted(app) == before + 1
+
+
+def _tiny_checkpoint(folder, tokenizer_dir) -> None:
+    """A random 2-layer Llama with the real tokenizer, saved as a Hugging Face folder."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, folder / name)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sigterm_ends_streams_and_exits_zero(tmp_path, default_model_dir):
+    _tiny_checkpoint(tmp_path, default_model_dir)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "medusa.cli", "serve", "--model", str(tmp_path), "--heads", "none",
+                             "--port", str(port), "--served-model-name", "tiny", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: _healthy(url), 120), proc.stdout.read() if proc.poll() is not None else "no start"
+        with httpx.Client(base_url=url, timeout=30) as client:
+            with client.stream("POST", CHAT, json={**LONG, "max_tokens": 4000, "stream": True}) as resp:
+                lines = resp.iter_lines()
+                first_content(lines)
+                proc.send_signal(signal.SIGTERM)
+                rest = [line for line in lines if line]  # it ends at once, not after 4000 tokens
+        assert rest[-1] == "data: [DONE]" and any("shutting down" in line for line in rest)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
