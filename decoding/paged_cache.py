@@ -8,6 +8,7 @@ over each sequence's pages. The attention itself comes from `medusa.kernels`
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -74,8 +75,4 @@ class PagedKVCache:
 
 
 def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("triton") is not None

@@ -6,8 +6,6 @@ import argparse
 import sys
 import time
 
-import torch
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="medusa", description="Medusa speculative decoding")

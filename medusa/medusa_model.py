@@ -18,7 +18,7 @@ from medusa.adapter import has_adapter, merge_lora
 from medusa.chat import chat_prompt_ids
 from medusa.decoding.detokenizer import IncrementalDetokenizer
 from medusa.decoding.engine import EngineConfig, LLMEngine
-from medusa.decoding.generator import DecodeStats, TreeDecoder
+from medusa.decoding.generator import TreeDecoder
 from medusa.decoding.sampler import SamplingConfig
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.tree_select import choose_tree

@@ -28,7 +28,7 @@ def test_mixed_batch_of_prompt_chunks_and_trees(seed):
     trees = [TreeSpec.load("tree-8"), None, TreeSpec.load("chain-3"), None]
     prefixes = [int(x) for x in torch.randint(0, 13, (4,), generator=g)]
     q_lens = [t.num_nodes if t else int(torch.randint(1, 9, (1,), generator=g)) for t in trees]
-    tables, bits, causal, logical = [], [], [], []
+    tables, bits, causal = [], [], []
     for tree, prefix, q_len in zip(trees, prefixes, q_lens):
         n_blocks = -(-(prefix + q_len) // block_size)
         tables.append([free.pop() for _ in range(n_blocks)])
