@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from medusa.kernels.dispatch import use_triton
+from medusa.kernels.fused_ops import add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -20,9 +23,28 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # statistics in float32, as the reference implementations do
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if use_triton(x, self.weight):
+            from medusa.kernels.fused_ops_triton import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps)[0]
+        return rms_norm_reference(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + residual), x + residual): the residual stream's add fused into the norm."""
+        if use_triton(x, residual, self.weight):
+            from medusa.kernels.fused_ops_triton import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps, residual)
+        return add_rms_norm_reference(x, residual, self.weight, self.eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] = [gate | up] -> silu(gate) * up [..., I], one kernel on the GPU."""
+    if use_triton(x):
+        from medusa.kernels.fused_ops_triton import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return silu_and_mul_reference(x)
 
 
 class FusedLinear(nn.Linear):

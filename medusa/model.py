@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from medusa.attention import AttentionBackend
 from medusa.config import ModelConfig
-from medusa.layers import FusedLinear, RMSNorm
+from medusa.layers import FusedLinear, RMSNorm, silu_and_mul
 from medusa.rope import RotaryEmbedding
 
 
@@ -51,8 +50,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -63,9 +61,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rotary, attn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, attn):
+        """x: the previous layer's output (before its residual add); residual: the stream so far (None at layer 0).
+
+        Returns (this layer's MLP output, residual stream up to it); adding the
+        two is fused into the next norm.
+        """
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, positions, rotary, attn)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -88,10 +96,10 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [..., T] -> final hidden states [..., T, H] (normed)."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, attn)
+        return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V]"""

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from medusa.config import RopeConfig
+from medusa.kernels.dispatch import use_triton
+from medusa.kernels.fused_ops import rotary_reference
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -48,6 +50,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset()
 
+    def _apply(self, fn, recurse: bool = True):
+        # model.to(bf16) would round the tables too; keep them float32 (the kernels require it)
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32 and self.cos.device.type != "meta":
+            self.reset()
+        return self
+
     def reset(self) -> None:
         """(Re)compute the tables in float32 on the module's device, e.g. after to_empty()."""
         device = self.cos.device if self.cos.device.type != "meta" else None
@@ -60,12 +69,8 @@ class RotaryEmbedding(nn.Module):
         """positions [T]; q [T, num_heads, D]; k [T, num_kv_heads, D] -> rotated (q, k)."""
         # No bounds check here: it would sync the host every step; callers
         # validate prompt + max_new_tokens against the context up front.
-        cos = self.cos[positions].unsqueeze(-2)  # [..., T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(-2)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if use_triton(q):
+            from medusa.kernels.fused_ops_triton import rotary_triton
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+            return rotary_triton(positions, q, k, self.cos, self.sin)
+        return rotary_reference(positions, q, k, self.cos, self.sin)

@@ -1,0 +1,130 @@
+"""Triton kernels for RMSNorm (+ residual add), SiLU-and-mul and RoPE: one launch each.
+
+Same contracts as the references in `fused_ops.py`. Each kernel works on one
+row (token) per program, in float32, rounding where the reference rounds.
+Inputs may be strided views (q, k, v are column slices of the fused QKV
+output); outputs are fresh contiguous tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, size, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch rounds x + residual
+        tl.store(res_out_ptr + row * size + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / size + eps)
+    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * size + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [..., H] (rows contiguous) -> (rms_norm(x [+ residual]), x + residual or None)."""
+    size = x.shape[-1]
+    if weight.shape != (size,) or weight.dtype != x.dtype or x.stride(-1) != 1:
+        raise ValueError(f"rms_norm: weight must be [{size}] of {x.dtype} and x's last dim contiguous, got "
+                         f"{tuple(weight.shape)} {weight.dtype}, stride {x.stride()}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+        raise ValueError(f"rms_norm: residual must match x {tuple(x.shape)} {x.dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    rows_x = x.reshape(-1, size)
+    rows_r = residual.reshape(-1, size) if residual is not None else rows_x
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else out
+    if rows_x.shape[0]:
+        _rms_norm_kernel[(rows_x.shape[0],)](rows_x, rows_r, weight, out, res_out, rows_x.stride(0),
+                                             rows_r.stride(0), size, eps, HAS_RESIDUAL=residual is not None,
+                                             BLOCK=triton.next_power_of_2(size))
+    return out, (res_out if residual is not None else None)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, size, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < size
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + size + cols, mask=ok, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # F.silu rounds to the input dtype
+    tl.store(out_ptr + row * size + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
+    if x.shape[-1] % 2 or x.stride(-1) != 1:
+        raise ValueError(f"silu_and_mul: last dim must be even and contiguous, got {tuple(x.shape)}")
+    size = x.shape[-1] // 2
+    rows = x.reshape(-1, 2 * size)
+    out = torch.empty(*x.shape[:-1], size, dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(size), 1024)
+    if rows.shape[0]:
+        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](rows, out, rows.stride(0), size, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _rotate_heads(src_ptr, dst_ptr, token, stride_t, stride_h, num_heads, cos, sin,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HALF)
+    ok = (heads < num_heads)[:, None]
+    src = src_ptr + token * stride_t + heads[:, None] * stride_h + dims[None, :]
+    x1 = tl.load(src, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    dst = dst_ptr + token * num_heads * 2 * HALF + heads[:, None] * 2 * HALF + dims[None, :]
+    tl.store(dst, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=ok)
+    tl.store(dst + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=ok)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads,
+                   HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token)
+    dims = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * HALF + dims)
+    sin = tl.load(sin_ptr + pos * HALF + dims)
+    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_QH)
+    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, num_k_heads, cos, sin, HALF, BLOCK_KH)
+
+
+def rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...]; q [..., Hq, D]; k [..., Hkv, D] (strided views allowed); cos/sin [P, D/2] fp32."""
+    d = q.shape[-1]
+    half = d // 2
+    if k.shape[-1] != d or d % 2 or half & (half - 1) or q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(f"rotary: q and k need one head_dim D with D/2 a power of two and contiguous last dims, "
+                         f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    if cos.shape != sin.shape or cos.shape[-1] != half or cos.dtype != torch.float32 or not cos.is_contiguous():
+        raise ValueError(f"rotary: cos/sin must be contiguous float32 [positions, {half}]")
+    lead = q.shape[:-2]
+    if k.shape[:-2] != lead:
+        raise ValueError(f"rotary: q and k leading shapes differ: {tuple(q.shape)} vs {tuple(k.shape)}")
+    qs, ks = q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:])  # views for QKV slices
+    pos = positions.expand(lead).reshape(-1).contiguous()
+    q_out = torch.empty(qs.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(ks.shape, dtype=k.dtype, device=k.device)
+    if qs.shape[0]:
+        _rotary_kernel[(qs.shape[0],)](qs, ks, q_out, k_out, pos, cos, sin, qs.stride(0), qs.stride(1), ks.stride(0),
+                                       ks.stride(1), qs.shape[1], ks.shape[1], HALF=half,
+                                       BLOCK_QH=triton.next_power_of_2(qs.shape[1]),
+                                       BLOCK_KH=triton.next_power_of_2(ks.shape[1]))
+    return q_out.view(q.shape), k_out.view(k.shape)

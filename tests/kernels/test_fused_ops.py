@@ -1,0 +1,105 @@
+"""Fused RMSNorm / SiLU-and-mul / RoPE / strided KV-write kernels against their PyTorch references."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from medusa.config import RopeConfig  # noqa: E402
+from medusa.kernels.fused_ops import (  # noqa: E402
+    add_rms_norm_reference, rms_norm_reference, rotary_reference, silu_and_mul_reference)
+from medusa.kernels.fused_ops_triton import rms_norm_triton, rotary_triton, silu_and_mul_triton  # noqa: E402
+from medusa.kernels.paged_attention import write_kv_reference  # noqa: E402
+from medusa.kernels.paged_attention_triton import write_kv_triton  # noqa: E402
+from medusa.rope import RotaryEmbedding  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rand(g, *shape, dtype=torch.float32):
+    """Uniform in +-[0.1, 1.1): no zeros, both signs."""
+    sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
+    return ((torch.rand(*shape, generator=g) + 0.1) * sign).to(dtype).to(DEVICE)
+
+
+def close(a, b, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    return torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("seed,rows,size", [(0, 5, 64), (1, 3, 100), (2, 1, 576)])
+def test_rms_norm_with_and_without_residual(seed, rows, size):
+    g = torch.Generator().manual_seed(seed)
+    x, r, w = rand(g, rows, size), rand(g, rows, size), rand(g, size)
+    got, none = rms_norm_triton(x, w, 1e-5)
+    assert none is None and close(got, rms_norm_reference(x, w, 1e-5), torch.float32)
+    got, total = rms_norm_triton(x, w, 1e-5, residual=r)
+    want, want_total = add_rms_norm_reference(x, r, w, 1e-5)
+    assert close(got, want, torch.float32) and torch.equal(total, want_total)
+
+
+def test_rms_norm_strided_rows_and_leading_dims():
+    g = torch.Generator().manual_seed(3)
+    wide = rand(g, 2, 3, 96)
+    x = wide[..., :64]  # rows strided by 96
+    w = rand(g, 64)
+    got, _ = rms_norm_triton(x, w, 1e-6)
+    assert got.shape == (2, 3, 64) and close(got, rms_norm_reference(x, w, 1e-6), torch.float32)
+
+
+@pytest.mark.parametrize("seed,rows,inter", [(0, 4, 96), (1, 1, 1536), (2, 7, 40)])
+def test_silu_and_mul(seed, rows, inter):
+    g = torch.Generator().manual_seed(seed)
+    x = rand(g, rows, 2 * inter)
+    assert close(silu_and_mul_triton(x), silu_and_mul_reference(x), torch.float32)
+
+
+@pytest.mark.parametrize("seed,hq,hkv,d", [(0, 4, 2, 64), (1, 9, 3, 64), (2, 8, 8, 128)])
+def test_rotary_on_qkv_slices(seed, hq, hkv, d):
+    g = torch.Generator().manual_seed(seed)
+    tokens = 6
+    rope = RotaryEmbedding(d, 512, RopeConfig(theta=10000.0)).to(DEVICE)
+    qkv = rand(g, tokens, (hq + 2 * hkv) * d)
+    q = qkv[:, : hq * d].view(tokens, hq, d)  # strided views, as the attention layer passes them
+    k = qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
+    positions = torch.randint(0, 512, (tokens,), generator=g).to(DEVICE)
+    got_q, got_k = rotary_triton(positions, q, k, rope.cos, rope.sin)
+    want_q, want_k = rotary_reference(positions, q, k, rope.cos, rope.sin)
+    assert close(got_q, want_q, torch.float32) and close(got_k, want_k, torch.float32)
+
+
+def test_write_kv_from_strided_slices():
+    g = torch.Generator().manual_seed(5)
+    tokens, hkv, d = 5, 2, 64
+    kv = rand(g, tokens, 3 * hkv * d)
+    k, v = kv[:, hkv * d:2 * hkv * d].view(tokens, hkv, d), kv[:, 2 * hkv * d:].view(tokens, hkv, d)
+    slots = torch.tensor([7, -1, 0, 12, 3], device=DEVICE)
+    got = [torch.full((16, hkv, d), float("nan"), device=DEVICE) for _ in range(2)]
+    want = [t.clone() for t in got]
+    write_kv_triton(*got, k, v, slots)
+    write_kv_reference(*want, k, v, slots)
+    assert all(torch.equal(a.nan_to_num(9.0), b.nan_to_num(9.0)) for a, b in zip(got, want))
+
+
+def test_wrappers_name_bad_inputs():
+    x = torch.ones(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_triton(x, torch.ones(4, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul_triton(torch.ones(2, 7, device=DEVICE))
+    q = torch.ones(2, 4, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="cos/sin"):
+        rotary_triton(torch.zeros(2, dtype=torch.long, device=DEVICE), q, q, torch.ones(8, 16, device=DEVICE),
+                      torch.ones(8, 16, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_full_size_low_precision(dtype):
+    g = torch.Generator().manual_seed(11)
+    x, r, w = rand(g, 64, 4096, dtype=dtype), rand(g, 64, 4096, dtype=dtype), rand(g, 4096, dtype=dtype)
+    got, total = rms_norm_triton(x, w, 1e-5, residual=r)
+    want, want_total = add_rms_norm_reference(x, r, w, 1e-5)
+    assert torch.equal(total, want_total) and close(got, want, dtype)
+    y = rand(g, 64, 2 * 14336, dtype=dtype)
+    assert close(silu_and_mul_triton(y), silu_and_mul_reference(y), dtype)
