@@ -50,7 +50,7 @@ class PagedKVCache:
             return self._reference(layer, q, k, v)
         from medusa.kernels.paged_attention_triton import paged_attention_triton, write_kv_triton
 
-        write_kv_triton(self.k[layer], self.v[layer], k.contiguous(), v.contiguous(), s.slot_mapping)
+        write_kv_triton(self.k[layer], self.v[layer], k, v, s.slot_mapping)
         return paged_attention_triton(q.contiguous(), self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
                                       s.query_start, s.causal, s.step_bits, self.block_size, s.max_query_len)
 
@@ -59,6 +59,11 @@ class PagedKVCache:
         write_kv_reference(self.k[layer], self.v[layer], k, v, s.slot_mapping)
         return paged_attention_reference(q, self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
                                          s.query_start, s.causal, s.step_bits, self.block_size)
+
+    def move_all(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """KV rows src -> dst [n] in every layer, gathering first (graph-safe: no host sync, any overlap)."""
+        self.k[:, dst_slots] = self.k[:, src_slots]
+        self.v[:, dst_slots] = self.v[:, src_slots]
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Compact accepted tree tokens into consecutive slots, in every layer at once."""

@@ -20,13 +20,15 @@ import triton.language as tl
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, kv_lens_ptr, qstart_ptr, causal_ptr, bits_ptr,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
-    scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, kv_lens_ptr, qstart_ptr, causal_ptr,
+    bits_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb, scale,
+    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    tile = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
     q_begin = tl.load(qstart_ptr + seq)
     q_len = tl.load(qstart_ptr + seq + 1) - q_begin
     if tile * BLOCK_M >= q_len * GROUP:
@@ -34,6 +36,11 @@ def _paged_attention_kernel(
     kv_len = tl.load(kv_lens_ptr + seq)
     prefix = kv_len - q_len
     causal = tl.load(causal_ptr + seq)
+    # this split's share of the keys, in whole BLOCK_N chunks (flash-decoding: short batches
+    # still fill the GPU, because each (sequence, head) is spread over NUM_SPLITS programs)
+    per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    key_begin = split * per_split
+    key_end = tl.minimum(key_begin + per_split, kv_len)
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] (token, head-in-group) pairs
     row_ok = rows < q_len * GROUP
@@ -47,12 +54,12 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    keys = tl.arange(0, PAGE)
-    for page in range(0, tl.cdiv(kv_len, PAGE)):
-        block = tl.load(tables_ptr + seq * stride_tb + page).to(tl.int64)
-        logical = page * PAGE + keys  # [N]
-        slots = block * PAGE + keys
-        key_ok = logical < kv_len
+    keys = tl.arange(0, BLOCK_N)
+    for start in range(key_begin, key_end, BLOCK_N):
+        logical = start + keys  # [N] several pages per iteration: more loads in flight
+        key_ok = logical < key_end
+        block = tl.load(tables_ptr + seq * stride_tb + logical // PAGE, mask=key_ok, other=0).to(tl.int64)
+        slots = block * PAGE + logical % PAGE
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
                     mask=key_ok[:, None], other=0.0)  # [N, D]
         v = tl.load(v_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
@@ -68,25 +75,51 @@ def _paged_attention_kernel(
         visible = key_ok[None, :] & ((~in_step[None, :]) | own_ok)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see nothing in this split
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:  # partials [T, Hq, S, D] and [T, Hq, S, 2] (max, sum), merged by _merge_splits_kernel
+        part = ((q_begin + token) * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + split  # [M]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads,
+                         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    base = (token * num_heads + head) * NUM_SPLITS + splits  # [S]
+    m = tl.load(part_ml_ptr + base * 2)
+    l_s = tl.load(part_ml_ptr + base * 2 + 1)
+    m_max = tl.max(m, 0)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # [S]; empty splits weigh nothing
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + dims[None, :])  # [S, D]
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_s * weight, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, kv_lens: torch.Tensor, query_start: torch.Tensor,
                            causal: torch.Tensor, step_bits: torch.Tensor, block_size: int,
                            max_query_len: int, scale: float | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Checked wrapper: shapes, dtypes and strides, then one launch for the whole batch.
+                           out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Checked wrapper: shapes, dtypes and strides, then one launch (two with split KV) for the batch.
 
     max_query_len: an upper bound on any sequence's step tokens (sizes the grid
-    without reading query_start back to the host).
+    without reading query_start back to the host). num_splits: programs per
+    (sequence, KV head, row tile) along the keys; None picks enough to fill the
+    GPU from the host-known shapes alone, so the choice is fixed under a CUDA graph.
     """
     _check(q, k_cache, v_cache, block_tables, kv_lens, query_start, causal, step_bits, block_size)
     num_seqs = block_tables.shape[0]
@@ -94,15 +127,37 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_m = 64 if max_query_len * group >= 64 else 16
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len * group, block_m))
+    tiles = triton.cdiv(max_query_len * group, block_m)
+    block_n = 64
+    if num_splits is None:
+        num_splits = _pick_splits(num_seqs * num_kv_heads * tiles, block_tables.shape[1] * block_size, block_n, q)
     out = torch.empty_like(q) if out is None else out
+    if num_splits > 1:
+        part_acc = torch.empty(q.shape[0], num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(q.shape[0], num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    grid = (num_seqs, num_kv_heads, tiles * num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, kv_lens, query_start, causal.to(torch.int32), step_bits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, kv_lens, query_start, causal.to(torch.int32),
+        step_bits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale if scale is not None else 1.0 / math.sqrt(head_dim),
-        GROUP=group, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_M=block_m,
+        NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
     )
+    if num_splits > 1 and q.shape[0]:
+        _merge_splits_kernel[(q.shape[0], num_heads)](out, part_acc, part_ml, out.stride(0), out.stride(1),
+                                                      num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim)
     return out
+
+
+def _pick_splits(programs: int, max_keys: int, block_n: int, q: torch.Tensor) -> int:
+    """Splits (a power of two, <= 64) so that about two waves of programs cover the GPU."""
+    target = 2 * (torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8)
+    most = max(1, min(64, max_keys // (2 * block_n)))  # at least two key chunks per split
+    splits = 1
+    while splits * 2 <= most and programs * splits < target:
+        splits *= 2
+    return splits
 
 
 def _check(q, k_cache, v_cache, block_tables, kv_lens, query_start, causal, step_bits, block_size) -> None:
@@ -129,32 +184,40 @@ def _check(q, k_cache, v_cache, block_tables, kv_lens, query_start, causal, step
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_t, stride_s,
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_vt, stride_s,
                      ROW: tl.constexpr, BLOCK: tl.constexpr):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token)
     if slot < 0:
         return  # a padding token
     offs = tl.arange(0, BLOCK)
     ok = offs < ROW
-    k = tl.load(k_ptr + token * stride_t + offs, mask=ok)
-    v = tl.load(v_ptr + token * stride_t + offs, mask=ok)
+    k = tl.load(k_ptr + token * stride_kt + offs, mask=ok)
+    v = tl.load(v_ptr + token * stride_vt + offs, mask=ok)
     tl.store(k_cache_ptr + slot * stride_s + offs, k, mask=ok)
     tl.store(v_cache_ptr + slot * stride_s + offs, v, mask=ok)
 
 
 def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] (contiguous) into cache slots [T]; negative slots are skipped."""
-    if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:] or not k.is_contiguous() or not v.is_contiguous():
-        raise ValueError(f"k/v must be contiguous [T, Hkv, D] matching the cache rows, got {tuple(k.shape)}")
+    """k, v [T, Hkv, D] into cache slots [T]; negative slots are skipped.
+
+    Each token's [Hkv, D] row must be contiguous, but tokens may be strided (k
+    and v can be column slices of the fused QKV output).
+    """
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:]:
+        raise ValueError(f"k/v must be [T, Hkv, D] matching the cache rows, got {tuple(k.shape)}, {tuple(v.shape)}")
+    row = k.shape[1] * k.shape[2]
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name}: each token's [Hkv, D] row must be contiguous, got strides {t.stride()}")
     if not k_cache.is_contiguous() or k_cache.stride() != v_cache.stride():
         raise ValueError("k/v caches must be contiguous [slots, Hkv, D]")
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
         raise ValueError("slot_mapping must be int64 [T]")
-    row = k.shape[1] * k.shape[2]
-    _write_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k_cache.stride(0),
-                                    ROW=row, BLOCK=triton.next_power_of_2(row))
+    if k.shape[0]:
+        _write_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                                        k_cache.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row))
 
 
 @triton.jit
