@@ -18,6 +18,8 @@ class DeviceTree:
     head_index: torch.Tensor  # [N - 1] long, which head proposes each non-root node
     ranks: torch.Tensor  # [N - 1] long, its rank in that head's top-k
     max_topk: int  # how many top-k candidates the deepest-needed head must give
+    bits: torch.Tensor | None  # [N] int64 ancestor bits (the kernels' tree mask); None past 64 nodes
+    paths: torch.Tensor  # [N, D + 1] long: node i's ancestor at each depth (i itself past its depth)
 
     @classmethod
     def from_spec(cls, spec: TreeSpec, device: torch.device) -> "DeviceTree":
@@ -29,8 +31,21 @@ class DeviceTree:
             head_index=spec.head_index[1:].to(device),
             ranks=spec.ranks[1:].to(device),
             max_topk=max(spec.topk_per_depth, default=0),
+            bits=spec.ancestor_bits.to(device) if spec.num_nodes <= 64 else None,
+            paths=_paths(spec).to(device),
         )
 
     @property
     def num_nodes(self) -> int:
         return self.spec.num_nodes
+
+
+def _paths(spec: TreeSpec) -> torch.Tensor:
+    parents, depths = spec.parents.tolist(), spec.depths.tolist()
+    paths = torch.arange(spec.num_nodes)[:, None].repeat(1, spec.max_depth + 1)
+    for node in range(spec.num_nodes):
+        walk = node
+        while walk >= 0:
+            paths[node, depths[walk]] = walk
+            walk = parents[walk]
+    return paths

@@ -5,9 +5,11 @@
     while engine.has_unfinished():
         for out in engine.step(): ...
 
-Each step: schedule -> build candidates from each decoding sequence's heads ->
-one forward for the whole batch -> verify per sequence -> compact KV ->
-append tokens, check stops, free finished sequences.
+Each step: schedule -> prompt chunks forward eagerly -> every decoding sequence
+verifies its tree in one batched `DecodeStep` (device-side verification, CUDA
+graphs on the GPU; host verification only for rows that sample, ask for
+logprobs or are under min_tokens) -> append tokens, check stops, free finished
+sequences.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.detokenizer import IncrementalDetokenizer
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.model_runner import ModelRunner
-from medusa.decoding.proposer import propose_from_heads
 from medusa.decoding.sampler import TokenSampler, target_probs
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import Scheduler, SchedulerConfig, prefill_target
@@ -33,13 +34,25 @@ from medusa.model import DecoderModel
 from medusa.tree import TreeSpec
 
 
+PRIOR_STEPS = 64  # how many observed steps the heads' predicted acceptance is worth
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     num_blocks: int = 512
     block_size: int = 16
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    trees: tuple[str, ...] = ("single", "tree-4", "tree-8", "tree-16", "tree-32", "tree-64")
+    trees: tuple[str | TreeSpec, ...] = ("single", "tree-4", "tree-8", "tree-16", "tree-32", "tree-64")
+    cuda_graphs: bool = True  # capture the decode step per batch bucket and tree (CUDA only)
+    max_graph_tokens: int = 1024  # warmup times trees only while bucket x tree size stays under this
+    max_model_len: int | None = None  # prompt + output tokens per request; None: min(model context, KV pool)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {self.num_blocks}, {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
 @dataclass
@@ -90,7 +103,7 @@ class _Request:
     params: SamplingParams
     sampler: TokenSampler
     detok: IncrementalDetokenizer | None
-    head_logits: torch.Tensor | None = None  # [K, V] proposals for the pending root
+    row: int | None = None  # the decode state row (pending root, head top-k) while it decodes
     new_text: str = ""  # released by the detokenizer since the last output
     parent_id: str = ""  # the id the client knows (several sequences share it when n > 1)
     index: int = 0
@@ -113,15 +126,26 @@ class LLMEngine:
         self.model, self.heads, self.config, self.tokenizer = model, heads, config, tokenizer
         self.device = model.embed_tokens.weight.device
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        trees = [TreeSpec.load(t) for t in config.trees] if heads is not None else [TreeSpec.load("single")]
+        trees = [t if isinstance(t, TreeSpec) else TreeSpec.load(t) for t in config.trees] if heads is not None \
+            else [TreeSpec.load("single")]
         trees = [t for t in trees if heads is None or t.max_depth <= heads.config.num_heads]
         self.scheduler = Scheduler(config.scheduler, self.blocks, trees)
-        self.runner = ModelRunner(model, self.blocks, config.num_blocks)
+        self._device_trees: dict[TreeSpec, DeviceTree] = {}
+        context = model.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or context, context, config.num_blocks * config.block_size)
+        device_trees = [self._device_tree(t) for t in trees]
+        if max(t.num_nodes for t in trees) > 64:
+            raise ValueError("engine trees may have at most 64 nodes (the kernels' ancestor bitmask)")
+        self.runner = ModelRunner(model, heads, self.blocks, config.num_blocks, config.scheduler.max_num_seqs,
+                                  self.max_model_len, max(t.num_nodes for t in trees),
+                                  max(t.max_topk for t in device_trees), config.cuda_graphs)
         self.eos = set(eos_token_ids) | set(model.config.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._device_trees: dict[TreeSpec, DeviceTree] = {}
         self.totals = RequestStats()  # over the engine's life, for /metrics
+        self._prior: dict[TreeSpec, float] = {}  # heads' predicted accepted length per tree
+        self._step_cost: dict[int, dict[TreeSpec, float]] = {}  # bucket -> tree -> measured seconds
+        self._observed: dict[TreeSpec, tuple[int, int]] = {}  # tree -> (tokens emitted, sequence-steps)
 
     # ---- public API ------------------------------------------------------
 
@@ -129,9 +153,11 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Queue a request; with n > 1 it runs as n sequences sharing the id (outputs carry `index`)."""
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
-        context = self.model.config.max_position_embeddings
-        if len(ids) + params.max_tokens + 8 > context:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of {context}")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's "
+                             f"context of {self.max_model_len} tokens (max_model_len)")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests or f"{rid}#0" in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -148,12 +174,63 @@ class LLMEngine:
         """Abort a request (all its n sequences); False if it is unknown or already finished."""
         subs = [k for k, r in self.requests.items() if r.parent_id == request_id]
         for sub in subs:
-            self.requests.pop(sub)
+            self._release_row(self.requests.pop(sub))
             self.scheduler.abort(sub)
         return bool(subs)
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.usage, self.totals)
+
+    def warmup(self, context: int = 512) -> dict[int, str]:
+        """Capture the decode step's CUDA graphs and, where the heads carry measured
+        accuracies, choose each batch size's tree from measured step times.
+
+        For every batch bucket and candidate tree the captured step is timed at
+        `context` cached tokens; the tree with the most expected tokens per second
+        (heads' expected accepted length / step time) wins that bucket, so large
+        batches fall back to small trees, down to plain decoding, exactly where the
+        device says speculation stops paying. Without accuracies the token budget
+        rule stays and only the graphs it can reach are captured. A no-op on the
+        CPU. Returns bucket -> chosen tree name.
+        """
+        step = self.runner.decode
+        if not step.use_graphs:
+            return {}
+        buckets = sorted({step.bucket(b) for b in range(1, self.config.scheduler.max_num_seqs + 1)})
+        accuracies = self.heads.config.accuracies if self.heads is not None else None
+        if not accuracies:
+            for bucket in buckets:
+                step.capture(self._device_tree(self.scheduler.tree_for(bucket)), bucket)
+            return {b: _tree_label(self.scheduler.tree_for(b)) for b in buckets}
+        for bucket in buckets:
+            for tree in self.scheduler.trees:
+                if tree.num_nodes > 1 and bucket * tree.num_nodes > self.config.max_graph_tokens:
+                    continue
+                try:
+                    self._prior[tree] = tree.expected_accept_length(accuracies)
+                except ValueError:  # the tree uses ranks or heads the accuracies do not cover
+                    continue
+                seconds = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks)
+                self._step_cost.setdefault(bucket, {})[tree] = seconds
+        self.scheduler.policy = self._measured_tree
+        return {b: _tree_label(self._measured_tree(b)) for b in buckets}
+
+    def _measured_tree(self, num_decoding: int) -> TreeSpec:
+        """The tree with the most expected tokens per second at this batch size.
+
+        Step times are measured (warmup); the accepted length starts at the heads'
+        prediction and moves to what this engine actually observes with each tree,
+        as if the prediction were worth PRIOR_STEPS steps, so heads that do worse
+        on real traffic than on their held-out data soon get smaller trees.
+        """
+        costs = self._step_cost[self.runner.decode.bucket(num_decoding)]
+
+        def rate(tree: TreeSpec) -> float:
+            emitted, steps = self._observed.get(tree, (0, 0))
+            expected = (self._prior[tree] * PRIOR_STEPS + emitted) / (PRIOR_STEPS + steps)
+            return expected / costs[tree]
+
+        return max(costs, key=rate)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -175,62 +252,84 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        if not plan.scheduled:
-            return []
-        tree = self._device_tree(plan.tree)
-        candidates = {item.seq.request_id: self._propose(item.seq, tree)
-                      for item in plan.scheduled if not item.is_prefill}
-        inputs = self.runner.prepare(plan, candidates)
-        hidden = self.runner.run(inputs)  # [T, H]
+        for seq in plan.preempted:  # its KV is gone; the row is re-leased after recompute
+            self._release_row(self.requests[seq.request_id])
+        prefills = [item for item in plan.scheduled if item.is_prefill]
+        decodes = [item.seq for item in plan.scheduled if not item.is_prefill]
         outputs = []
-        for item, start in zip(plan.scheduled, inputs.starts):
-            request = self.requests[item.seq.request_id]
-            rows = hidden[start:start + item.num_tokens]
-            if item.is_prefill:
-                new = self._after_prefill(request, item.num_tokens, rows)
-            else:
-                new = self._after_verify(request, tree, candidates[item.seq.request_id], rows)
-            if new is not None:
-                outputs.append(self._output(request, new))
+        if prefills:
+            inputs = self.runner.prepare_prefill(prefills)
+            hidden = self.runner.run(inputs)  # [T, H]
+            for item, start in zip(prefills, inputs.starts):
+                request = self.requests[item.seq.request_id]
+                new = self._after_prefill(request, item.num_tokens, hidden[start:start + item.num_tokens])
+                if new is not None:
+                    outputs.append(self._output(request, new))
+        if decodes:
+            outputs += self._decode(decodes, self._device_tree(plan.tree))
         return outputs
-
-    def _propose(self, seq: Sequence, tree: DeviceTree) -> torch.Tensor:
-        root = torch.tensor(seq.output_token_ids[-1], device=self.device)
-        return propose_from_heads(tree, root, self.requests[seq.request_id].head_logits, seq.output_token_ids)
 
     def _after_prefill(self, request: _Request, n: int, rows: torch.Tensor) -> list[int] | None:
         seq = request.seq
         self.blocks.commit(seq, n)
         if seq.num_computed_tokens < prefill_target(seq):
             return None  # more prompt chunks to go
-        request.head_logits = self._heads(rows[-1])
-        if seq.output_token_ids:
-            return None  # recomputed after preemption: the pending root is already known
+        request.row = self.runner.decode.acquire_row()
+        if seq.output_token_ids:  # recomputed after preemption: the pending root is already known
+            self.runner.decode.set_state(request.row, seq.output_token_ids[-1], rows[-1])
+            return None
         raw = self.model.compute_logits(rows[-1:])
         logits = self._suppress_eos(request, raw, torch.zeros(1, device=self.device))
         sampling = request.params.sampling()
         first = torch.zeros(1, dtype=torch.long, device=self.device)  # output index 0
         root = logits[0].argmax() if sampling.greedy else request.sampler(target_probs(logits, sampling), first)[0]
         self._note_logprobs(request, raw, [int(root)])
+        self.runner.decode.set_state(request.row, int(root), rows[-1])
         return self._append(request, [int(root)])
 
-    def _after_verify(self, request: _Request, tree: DeviceTree, candidates: torch.Tensor,
-                      rows: torch.Tensor) -> list[int]:
-        seq = request.seq
-        raw = self.model.compute_logits(rows)
-        logits = self._suppress_eos(request, raw, tree.depths)
-        verdict = verify(tree, candidates, logits, request.params.sampling(), AcceptanceConfig(), request.sampler,
-                         seq.num_output_tokens)
-        accepted = verdict.accepted
-        self.runner.compact(seq, tree.num_nodes, accepted)
-        new = candidates[accepted[1:]].tolist() + [int(verdict.next_token)]
-        self._note_logprobs(request, raw[accepted], new)
-        self._record(request, tree, len(accepted) - 1)
-        emitted = self._append(request, new)
-        if not seq.is_finished:
-            self.blocks.commit(seq, len(accepted))
-            request.head_logits = self._heads(rows[accepted[-1]])
-        return emitted
+    def _decode(self, seqs: list[Sequence], tree: DeviceTree) -> list[RequestOutput]:
+        """One batched verification step for every decoding sequence."""
+        step = self.runner.decode
+        requests = [self.requests[seq.request_id] for seq in seqs]
+        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks)
+        part1 = step.forward(tree, padded)
+        self._verify_on_host(requests, tree, part1)
+        packed = step.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
+        emitted, steps = self._observed.get(tree.spec, (0, 0))
+        self._observed[tree.spec] = (emitted + sum(row[0] for row in packed), steps + len(packed))
+        outputs = []
+        for request, (count, *tokens) in zip(requests, packed):
+            seq = request.seq
+            self._record(request, tree, count - 1)
+            emitted = self._append(request, tokens[:count])
+            if not seq.is_finished:
+                self.blocks.commit(seq, count)
+            outputs.append(self._output(request, emitted))
+        return outputs
+
+    def _verify_on_host(self, requests: list[_Request], tree: DeviceTree, part1) -> None:
+        """Verdicts for rows the greedy device rule cannot decide: sampling, min_tokens, logprobs."""
+        n = tree.num_nodes
+        index, best, next_tokens = [], [], []
+        for i, request in enumerate(requests):
+            if not self._needs_host(request):
+                continue
+            raw = part1.logits[i * n:(i + 1) * n]
+            logits = self._suppress_eos(request, raw, tree.depths)
+            candidates = part1.candidates[i]
+            verdict = verify(tree, candidates, logits, request.params.sampling(), AcceptanceConfig(),
+                             request.sampler, request.seq.num_output_tokens)
+            accepted = verdict.accepted
+            self._note_logprobs(request, raw[accepted], candidates[accepted[1:]].tolist() + [int(verdict.next_token)])
+            index.append(i)
+            best.append(int(accepted[-1]))
+            next_tokens.append(int(verdict.next_token))
+        self.runner.decode.override(index, best, next_tokens)
+
+    def _needs_host(self, request: _Request) -> bool:
+        params = request.params
+        under_min = not params.ignore_eos and request.seq.num_output_tokens < params.min_tokens  # EOS banned somewhere
+        return not params.sampling().greedy or params.logprobs is not None or under_min
 
     # ---- helpers ---------------------------------------------------------
 
@@ -255,6 +354,7 @@ class LLMEngine:
         if reason is not None:
             seq.finish(reason)
             self.scheduler.finish(seq)
+            self._release_row(request)
         return kept
 
     def _suppress_eos(self, request: _Request, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
@@ -285,11 +385,10 @@ class LLMEngine:
             alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if k else []
             request.logprobs.append(TokenLogprob(token, chosen[i], alternatives))
 
-    def _heads(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.heads is None:
-            return None
-        with torch.inference_mode():
-            return self.heads(hidden, self.model.lm_head.weight)
+    def _release_row(self, request: _Request) -> None:
+        if request.row is not None:
+            self.runner.decode.release_row(request.row)
+            request.row = None
 
     def _record(self, request: _Request, tree: DeviceTree, accepted_drafts: int) -> None:
         for stats in (request.stats, self.totals):
@@ -322,6 +421,10 @@ class LLMEngine:
         if spec not in self._device_trees:
             self._device_trees[spec] = DeviceTree.from_spec(spec, self.device)
         return self._device_trees[spec]
+
+
+def _tree_label(tree: TreeSpec) -> str:
+    return tree.name or f"{tree.num_nodes}-node tree"
 
 
 def stream(engine: LLMEngine, prompt: str | Seq[int], params: SamplingParams = SamplingParams()):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.sequence import Sequence, SequenceStatus
@@ -61,6 +62,8 @@ class Scheduler:
         self.trees = sorted(trees, key=lambda t: t.num_nodes) or [TreeSpec()]
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # batch size -> tree, measured by the engine on the device (LLMEngine.warmup); None: the token budget
+        self.policy: Callable[[int], TreeSpec] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -82,7 +85,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def tree_for(self, num_decoding: int) -> TreeSpec:
-        """The largest candidate tree whose tokens for all decoding sequences fit the tree budget."""
+        """The measured policy's tree, else the largest tree whose tokens for all decoding sequences fit the budget."""
+        if self.policy is not None and num_decoding > 0:
+            return self.policy(num_decoding)
         fitting = [t for t in self.trees if t.num_nodes * num_decoding <= self.config.max_tree_tokens]
         return fitting[-1] if fitting else self.trees[0]
 

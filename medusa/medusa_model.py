@@ -124,25 +124,62 @@ class MedusaModel:
                                     seed=seed, stop=tuple(stops))
             return self._generate_batch(list(inputs), params, speculative)
         prompt_ids = self.encode(inputs)
+        if self._on_engine(tree, acceptance):
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=seed, stop=tuple(stops))
+            chunks = self._run_engine(prompt_ids, params, speculative)
+            return _finish(chunks, stream)
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         accept = AcceptanceConfig(rule=acceptance, posterior_threshold=posterior_threshold,
                                   posterior_alpha=posterior_alpha)
         decoder = self.decoder(tree if speculative else "single")
-        chunks = self._run(decoder, prompt_ids, max_new_tokens, sampling, accept, stops)
-        if stream:
-            return GenerationStream(chunks)
-        stream_obj = GenerationStream(chunks)
-        for _ in stream_obj:
-            pass
-        return stream_obj.result
+        return _finish(self._run(decoder, prompt_ids, max_new_tokens, sampling, accept, stops), stream)
+
+    def _on_engine(self, tree: TreeSpec | str | None, acceptance: str) -> bool:
+        """On a GPU, one prompt runs alone on the engine (CUDA graphs, trees chosen from measured
+        step times) unless the caller pinned a tree or the typical acceptance rule."""
+        pinned = tree is not None or self._tree_choice not in (None, "auto")
+        return self.base.embed_tokens.weight.is_cuda and not pinned and acceptance == "auto"
+
+    def _run_engine(self, prompt_ids: list[int], params: SamplingParams, speculative: bool):
+        engine = self.engine(speculative)
+        start = time.perf_counter()
+        rid = engine.add_request(prompt_ids, params)
+        last = None
+        try:
+            while last is None or not last.finished:
+                for out in engine.step():
+                    if out.request_id == rid:
+                        last = out
+                        if out.new_text:
+                            yield out.new_text
+        finally:
+            if last is None or not last.finished:
+                engine.abort(rid)  # the caller stopped iterating: free the request's KV
+        seconds = time.perf_counter() - start
+        return GenerationResult(text=last.text, token_ids=list(last.token_ids), finish_reason=last.finish_reason,
+                                prompt_tokens=len(prompt_ids), accepted_lengths=list(last.stats.accepted_lengths),
+                                tokens_per_second=len(last.token_ids) / max(seconds, 1e-9))
 
     def engine(self, speculative: bool = True) -> LLMEngine:
         """The continuous-batching engine over this model (built once per mode)."""
         key = speculative and self.heads is not None
         if key not in self._engines:
-            self._engines[key] = LLMEngine(self.base, self.heads if key else None, EngineConfig(), self.tokenizer,
-                                           sorted(self.eos_token_ids))
+            self._engines[key] = LLMEngine(self.base, self.heads if key else None, self._engine_config(),
+                                           self.tokenizer, sorted(self.eos_token_ids))
         return self._engines[key]
+
+    def _engine_config(self) -> EngineConfig:
+        """Candidate trees for the engine: searched for the heads' measured accuracies
+        when they carry them (the heads' own tree as the largest), else the named ones."""
+        if self.heads is None:
+            return EngineConfig()
+        cfg = self.heads.config
+        small = tuple(TreeSpec.search(cfg.accuracies, n, name=f"searched-{n}") for n in (4, 8, 16, 32)) \
+            if cfg.accuracies else ("tree-4", "tree-8", "tree-16", "tree-32")
+        own = TreeSpec.from_paths([tuple(p) for p in cfg.tree], name="heads") if cfg.tree else None
+        largest = own if own is not None and own.num_nodes <= 64 else "tree-64"
+        return EngineConfig(trees=("single",) + small + (largest,))
 
     def _generate_batch(self, prompts: list[str], params: SamplingParams, speculative: bool) -> list[GenerationResult]:
         ids = [self.encode(p) for p in prompts]
@@ -223,6 +260,16 @@ class MedusaModel:
         return GenerationResult(text=detok.text, token_ids=emitted, finish_reason=finish,
                                 prompt_tokens=len(prompt_ids), accepted_lengths=list(stats.accepted_lengths),
                                 tokens_per_second=len(emitted) / max(stats.prefill_seconds + stats.decode_seconds, 1e-9))
+
+
+def _finish(chunks: Iterator[str], stream: bool):
+    """A GenerationStream when streaming, else run it out and return its result."""
+    stream_obj = GenerationStream(chunks)
+    if stream:
+        return stream_obj
+    for _ in stream_obj:
+        pass
+    return stream_obj.result
 
 
 def _is_speculative(tree: TreeSpec | str | None) -> bool:

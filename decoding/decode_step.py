@@ -1,0 +1,245 @@
+"""The batched decoding step: propose -> forward the trees -> verify -> compact KV -> next proposals.
+
+All of it runs on the device from static buffers, in two parts so that rows
+needing host logic (sampling, min_tokens, logprobs) can be decided between
+them:
+
+    part 1  candidates from each row's saved root and head top-k, one forward
+            of B x N tree tokens over the paged cache, logits, greedy verdict
+    (host)  `verifier.verify` for the rows that need it, written into `best`/`next`
+    part 2  emitted tokens, KV of accepted paths moved into place, heads at the
+            accepted node -> each row's next root and top-k saved
+
+On CUDA each part is captured once per (batch bucket, tree) as a CUDA graph and
+replayed; the only device-to-host copy of a step is the packed [B, D + 2] result.
+On the CPU the same functions run eagerly, so the tests exercise this code.
+Per-sequence state (pending root, head top-k) lives in rows of `roots`/`topk`;
+the engine leases a row to each decoding sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from medusa.decoding.batch_verify import build_candidates, compaction_slots, emitted_tokens, greedy_verdict
+from medusa.decoding.block_manager import BlockManager
+from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
+from medusa.heads import MedusaHeads
+from medusa.model import DecoderModel
+
+
+@dataclass
+class _Part1:
+    candidates: torch.Tensor  # [Bp, N]
+    hidden: torch.Tensor  # [Bp * N, H]
+    logits: torch.Tensor  # [Bp * N, V]
+
+
+def batch_buckets(max_seqs: int) -> list[int]:
+    """Padded batch sizes a graph is captured for: 1, 2, 4, 8, then multiples of 8."""
+    small = [b for b in (1, 2, 4) if b < max_seqs]
+    return small + list(range(8, max_seqs + 8, 8)) if max_seqs > 4 else small + [max_seqs]
+
+
+class DecodeStep:
+    def __init__(self, model: DecoderModel, heads: MedusaHeads | None, cache: PagedKVCache, scratch_slot: int,
+                 max_seqs: int, max_blocks_per_seq: int, max_tree: int, kmax: int, use_graphs: bool) -> None:
+        self.model, self.heads, self.cache = model, heads, cache
+        self.device = model.embed_tokens.weight.device
+        self.scratch_slot, self.max_seqs, self.kmax = scratch_slot, max_seqs, kmax
+        long = dict(dtype=torch.long, device=self.device)
+        self.padding_row = max_seqs
+        self.roots = torch.zeros(max_seqs + 1, **long)  # [R + 1] pending root per row (+ padding row)
+        k = heads.config.num_heads if heads is not None else 0
+        self.topk = torch.zeros(max_seqs + 1, k, kmax, **long)  # [R + 1, K, kmax] heads' top tokens
+        self.rows = torch.full((max_seqs,), self.padding_row, **long)
+        self.base = torch.zeros(max_seqs, **long)  # committed tokens before the step
+        self.slots = torch.full((max_seqs * max_tree,), scratch_slot, **long)
+        self.tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        self.kv_lens = torch.zeros(max_seqs, **long)
+        self.query_start = torch.zeros(max_seqs + 1, **long)
+        self.causal = torch.zeros(max_seqs, dtype=torch.bool, device=self.device)
+        self.best = torch.zeros(max_seqs, **long)  # [B] deepest accepted node
+        self.next = torch.zeros(max_seqs, **long)  # [B] target token there: the next root
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.buckets = batch_buckets(max_seqs)
+        self._graphs: dict = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+
+    # ---- per-sequence state rows -----------------------------------------
+
+    def acquire_row(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError("no free decode state row: more decoding sequences than max_num_seqs")
+        return self._free_rows.pop()
+
+    def release_row(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    @torch.inference_mode()
+    def set_state(self, row: int, root: int, last_hidden: torch.Tensor) -> None:
+        """A sequence's pending root and the heads' top-k at its last token (hidden [H])."""
+        self.roots[row] = root
+        if self.heads is not None and self.kmax:
+            logits = self.heads(last_hidden[None], self.model.lm_head.weight)  # [K, 1, V]
+            self.topk[row] = logits[:, 0].topk(self.kmax, dim=-1).indices
+
+    # ---- one step ---------------------------------------------------------
+
+    def prepare(self, seqs: list, rows: list[int], tree: DeviceTree, blocks: BlockManager) -> int:
+        """Fill the input buffers for `seqs` (state rows `rows`); returns the padded batch size."""
+        b, n = len(seqs), tree.num_nodes
+        padded = self.bucket(b)
+        starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
+        slots = np.full(padded * n, self.scratch_slot, dtype=np.int64)
+        if b:
+            slots[: b * n] = np.concatenate([blocks.slot_mapping(s, int(st), n) for s, st in zip(seqs, starts)])
+        tables = np.zeros((padded, self.tables.shape[1]), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table)] = seq.block_table
+        kv_lens = np.zeros(padded, dtype=np.int64)
+        kv_lens[:b] = starts + n
+        query_start = np.full(padded + 1, b * n, dtype=np.int64)
+        query_start[: b + 1] = np.arange(b + 1) * n
+        self._put(self.rows, np.array(rows + [self.padding_row] * (padded - b), dtype=np.int64))
+        self._put(self.base, np.concatenate([starts, np.zeros(padded - b, dtype=np.int64)]))
+        self._put(self.slots, slots)
+        self._put(self.tables, tables)
+        self._put(self.kv_lens, kv_lens)
+        self._put(self.query_start, query_start)
+        return padded
+
+    def bucket(self, batch: int) -> int:
+        """The padded batch size a step of `batch` sequences runs at."""
+        return next(x for x in self.buckets if x >= batch) if self.use_graphs else batch
+
+    def capture(self, tree: DeviceTree, padded: int) -> None:
+        """Capture this bucket's graphs now rather than at first use (no-op without graphs)."""
+        if self.use_graphs:
+            self._graph(tree, padded)
+
+    @torch.inference_mode()
+    def time_step(self, tree: DeviceTree, padded: int, context: int, num_blocks: int, repeats: int = 5) -> float:
+        """Median seconds of one captured step of `padded` rows at `context` cached tokens each.
+
+        A synthetic batch: rows read real KV blocks (read only) but write only the
+        scratch slot and the padding state row, so running sequences are untouched.
+        """
+        self.capture(tree, padded)
+        n, width = tree.num_nodes, self.tables.shape[1]
+        saved = [t.clone() for t in (self.rows, self.kv_lens, self.query_start, self.slots, self.tables)]
+        self.rows.fill_(self.padding_row)
+        self.slots.fill_(self.scratch_slot)
+        self.kv_lens[:padded] = min(context, (width - 1) * self.cache.block_size) + n
+        self.query_start[: padded + 1] = torch.arange(padded + 1, device=self.device) * n
+        self.tables.copy_(torch.arange(self.tables.numel(), device=self.device).view_as(self.tables) % num_blocks)
+        graphs, times = self._graphs[(padded, tree.spec)], []
+        for _ in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs["g1"].replay()
+            graphs["g2"].replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        for buffer, value in zip((self.rows, self.kv_lens, self.query_start, self.slots, self.tables), saved):
+            buffer.copy_(value)
+        return sorted(times[1:])[repeats // 2]
+
+    def forward(self, tree: DeviceTree, padded: int) -> _Part1:
+        """Part 1; afterwards `best`/`next` hold the greedy verdict of every row."""
+        if not self.use_graphs:
+            self._last = self._part1(tree, padded)
+            return self._last
+        graphs = self._graph(tree, padded)
+        graphs["g1"].replay()
+        return graphs["part1"]
+
+    def finish(self, tree: DeviceTree, padded: int) -> torch.Tensor:
+        """Part 2 -> packed [Bp, D + 2] long on the device: (count, tokens...) per row."""
+        if not self.use_graphs:
+            return self._part2(tree, padded, self._last)
+        graphs = self._graph(tree, padded)
+        graphs["g2"].replay()
+        return graphs["packed"]
+
+    def override(self, index: list[int], best: list[int], next_tokens: list[int]) -> None:
+        """Host-decided verdicts for rows `index` (sampling and friends)."""
+        if index:
+            at = torch.tensor(index, device=self.device)
+            self.best[at] = torch.tensor(best, device=self.device)
+            self.next[at] = torch.tensor(next_tokens, device=self.device)
+
+    # ---- the two parts ----------------------------------------------------
+
+    def _part1(self, tree: DeviceTree, padded: int) -> _Part1:
+        n = tree.num_nodes
+        rows = self.rows[:padded]
+        candidates = build_candidates(tree, self.roots[rows], self.topk[rows] if self.kmax else None)
+        positions = (self.base[:padded, None] + tree.depths[None]).flatten()
+        meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
+                            kv_lens=self.kv_lens[:padded], query_start=self.query_start[: padded + 1],
+                            causal=self.causal[:padded], step_bits=tree.bits.repeat(padded), max_query_len=n)
+        self.cache.step = meta
+        try:
+            hidden = self.model(candidates.flatten(), positions, self.cache)  # [Bp * N, H]
+        finally:
+            self.cache.step = None
+        logits = self.model.compute_logits(hidden)  # [Bp * N, V]
+        targets = logits.argmax(-1).view(padded, n)
+        best = greedy_verdict(tree, candidates, targets)
+        self.best[:padded] = best
+        self.next[:padded] = targets.gather(1, best[:, None]).squeeze(1)
+        return _Part1(candidates, hidden, logits)
+
+    def _part2(self, tree: DeviceTree, padded: int, part1: _Part1) -> torch.Tensor:
+        n = tree.num_nodes
+        best, next_tokens, rows = self.best[:padded], self.next[:padded], self.rows[:padded]
+        count, tokens = emitted_tokens(tree, part1.candidates, best, next_tokens)
+        src, dst = compaction_slots(tree, self.slots[: padded * n].view(padded, n), best)
+        self.cache.move_all(src, dst)
+        self.roots[rows] = next_tokens
+        if self.kmax:
+            at_best = part1.hidden.view(padded, n, -1)[torch.arange(padded, device=self.device), best]  # [Bp, H]
+            head_logits = self.heads(at_best, self.model.lm_head.weight)  # [K, Bp, V]
+            self.topk[rows] = head_logits.topk(self.kmax, dim=-1).indices.transpose(0, 1)
+        return torch.cat([count[:, None], tokens], dim=1)
+
+    # ---- CUDA graphs ------------------------------------------------------
+
+    def _graph(self, tree: DeviceTree, padded: int) -> dict:
+        key = (padded, tree.spec)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(tree, padded)
+        return self._graphs[key]
+
+    @torch.inference_mode()
+    def _capture(self, tree: DeviceTree, padded: int) -> dict:
+        """Warm up on an all-padding batch (touches only the scratch slot and padding row), then capture."""
+        saved = [t.clone() for t in (self.rows, self.kv_lens, self.query_start, self.slots)]
+        self.rows.fill_(self.padding_row)
+        self.kv_lens.zero_()
+        self.query_start.zero_()
+        self.slots.fill_(self.scratch_slot)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._part2(tree, padded, self._part1(tree, padded))
+        torch.cuda.current_stream().wait_stream(stream)
+        g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g1, pool=self._pool):
+            part1 = self._part1(tree, padded)
+        with torch.cuda.graph(g2, pool=self._pool):
+            packed = self._part2(tree, padded, part1)
+        for buffer, value in zip((self.rows, self.kv_lens, self.query_start, self.slots), saved):
+            buffer.copy_(value)
+        return {"g1": g1, "g2": g2, "part1": part1, "packed": packed}
+
+    def _put(self, buffer: torch.Tensor, values: np.ndarray) -> None:
+        buffer[: len(values)].copy_(torch.from_numpy(values), non_blocking=False)

@@ -1,0 +1,42 @@
+"""Batched device-side verification against the batch-1 verifier, row by row, on random trees and logits."""
+
+import pytest
+import torch
+
+from medusa.decoding.batch_verify import build_candidates, compaction_slots, emitted_tokens, greedy_verdict
+from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.sampler import SamplingConfig
+from medusa.decoding.verifier import AcceptanceConfig, verify
+from medusa.tree import TreeSpec
+
+
+@pytest.mark.parametrize("name", ["single", "tree-4", "tree-16", "tree-64"])
+def test_batched_greedy_equals_per_row_verify(name):
+    tree = DeviceTree.from_spec(TreeSpec.load(name), torch.device("cpu"))
+    g = torch.Generator().manual_seed(len(name))
+    batch, vocab, n = 6, 5, tree.num_nodes  # tiny vocab: many children match, so paths go deep
+    candidates = torch.randint(0, vocab, (batch, n), generator=g)
+    logits = torch.randn(batch, n, vocab, generator=g)
+    best = greedy_verdict(tree, candidates, logits.argmax(-1))
+    next_tokens = logits.argmax(-1).gather(1, best[:, None]).squeeze(1)
+    count, tokens = emitted_tokens(tree, candidates, best, next_tokens)
+    slots = torch.arange(batch * n).view(batch, n) * 3 + 100  # any distinct slots
+    src, dst = compaction_slots(tree, slots, best)
+    width = tree.spec.max_depth + 1
+    for b in range(batch):
+        verdict = verify(tree, candidates[b], logits[b], SamplingConfig(), AcceptanceConfig())
+        accepted = verdict.accepted
+        assert int(best[b]) == int(accepted[-1]) and int(next_tokens[b]) == int(verdict.next_token)
+        want = candidates[b, accepted[1:]].tolist() + [int(verdict.next_token)]
+        assert int(count[b]) == len(want) and tokens[b, : len(want)].tolist() == want
+        moves = {int(s): int(d) for s, d in zip(src[b * width:(b + 1) * width], dst[b * width:(b + 1) * width])
+                 if s != d}
+        assert moves == {int(slots[b, a]): int(slots[b, i]) for i, a in enumerate(accepted.tolist()) if a != i}
+
+
+def test_candidates_take_each_depths_head_and_rank():
+    tree = DeviceTree.from_spec(TreeSpec.from_paths([(0,), (1,), (0, 0), (0, 1)]), torch.device("cpu"))
+    topk = torch.tensor([[[10, 11], [20, 21]]])  # [B=1, K=2 heads, kmax=2]
+    assert build_candidates(tree, torch.tensor([7]), topk).tolist() == [[7, 10, 11, 20, 21]]
+    assert build_candidates(DeviceTree.from_spec(TreeSpec(), torch.device("cpu")), torch.tensor([3, 4]),
+                            None).tolist() == [[3], [4]]
