@@ -8,6 +8,7 @@
    against a device-to-device copy measured in the same run.
 2. One engine forward (random weights in a real model's shape) for B sequences
    x N tree tokens, N from 1 to 128: the curve the scheduler's tree budget uses.
+   On a GPU the forward is captured as a CUDA graph, as the engine runs it.
 Writes results.json and, with matplotlib, kernels.png.
 """
 
@@ -62,11 +63,16 @@ def paged_batch(batch: int, context: int, tree: int, hq: int, hkv: int, d: int, 
     blocks_per_seq = -(-context // page)
     k = torch.randn(batch * blocks_per_seq * page, hkv, d, dtype=dtype, device=device)
     tables = torch.randperm(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq).to(torch.int32)
-    bits = torch.tensor([(1 << (i + 1)) - 1 for i in range(tree)], dtype=torch.long, device=device).repeat(batch)
+    bits = torch.tensor([_chain_bits(i) for i in range(tree)], dtype=torch.long, device=device).repeat(batch)
     return dict(q=torch.randn(batch * tree, hq, d, dtype=dtype, device=device), k_cache=k, v_cache=torch.randn_like(k),
                 block_tables=tables, kv_lens=torch.full((batch,), context, device=device),
                 query_start=torch.arange(batch + 1, device=device) * tree,
                 causal=torch.zeros(batch, dtype=torch.bool, device=device), step_bits=bits)
+
+
+def _chain_bits(i: int) -> int:
+    """Ancestor bits of node i of a chain (all of 0..i) as a signed int64; past 64 nodes the chunk is causal."""
+    return (1 << (i + 1)) - 1 if i < 63 else -1
 
 
 def attention_curve(args, device, dtype) -> list[dict]:
@@ -107,17 +113,32 @@ def step_curve(args, device, dtype) -> list[dict]:
             def forward():
                 cache.step = meta
                 with torch.inference_mode():
-                    model.compute_logits(model(ids, pos, cache))
+                    return model.compute_logits(model(ids, pos, cache))
 
-            rows.append({"batch": batch, "tree_tokens": tree, "seconds": timed(forward, args.repeats, device)})
+            fn = captured(forward) if device.type == "cuda" else forward
+            rows.append({"batch": batch, "tree_tokens": tree, "seconds": timed(fn, args.repeats, device)})
     return rows
+
+
+def captured(fn):
+    """fn recorded as a CUDA graph (after warm-up on a side stream); returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _step_metadata(batch: int, tree: int, context: int, device) -> StepMetadata:
     per_seq = -(-(context + 128) // 16)
     tables = torch.arange(batch * per_seq, device=device, dtype=torch.int32).view(batch, per_seq)
     slots = (tables.long()[:, :1] * 16 + context + torch.arange(tree, device=device)).flatten()
-    bits = torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(tree)], device=device).repeat(batch)
+    bits = torch.tensor([_chain_bits(i) for i in range(tree)], device=device).repeat(batch)
     return StepMetadata(slot_mapping=slots, block_tables=tables, kv_lens=torch.full((batch,), context + tree, device=device),
                         query_start=torch.arange(batch + 1, device=device) * tree,
                         causal=torch.full((batch,), tree > 64, dtype=torch.bool, device=device), step_bits=bits,
@@ -152,6 +173,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    p.add_argument("--skip-attention", action="store_true", help="only the step-cost curve")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -164,7 +186,7 @@ def main() -> None:
     shape = args.shape if big else "tiny (quick)"
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shape": shape,
                "dtype": str(dtype), "copy_gb_s": copy_bandwidth(device, 1024 if big else 16) / 1e9,
-               "attention": attention_curve(args, device, dtype), "steps": step_curve(args, device, dtype)}
+               "attention": [] if args.skip_attention else attention_curve(args, device, dtype), "steps": step_curve(args, device, dtype)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))

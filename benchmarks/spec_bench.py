@@ -1,4 +1,4 @@
-"""Spec-Bench, greedy, batch 1: plain decoding vs Medusa on our decoder vs Hugging Face `generate`.
+"""Spec-Bench, greedy, batch 1: plain decoding vs Medusa on our engine vs Hugging Face `generate`.
 
     python benchmarks/spec_bench.py --out out/spec_bench               # full: all 480 questions
     python benchmarks/spec_bench.py --per-category 5 --hf-per-category 1 --out out/sb
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from medusa.decoding.sampling_params import SamplingParams
 from medusa.medusa_model import MedusaModel
 from medusa.training.data import DATA_DIR
 
@@ -39,15 +40,26 @@ def load_questions(path: Path, per_category: int | None) -> list[dict]:
 
 
 def run_ours(model: MedusaModel, question: dict, max_new_tokens: int, speculative: bool) -> list[dict]:
-    """Every turn of the question; later turns see the model's own earlier answers."""
+    """Every turn of the question, alone on the engine; later turns see the model's own earlier answers."""
+    engine = model.engine(speculative)
     messages, turns = [], []
     for turn in question["turns"]:
         messages.append({"role": "user", "content": turn})
-        result = model.generate(list(messages), max_new_tokens=max_new_tokens, speculative=speculative)
-        messages.append({"role": "assistant", "content": result.text})
-        turns.append({"tokens": len(result.token_ids), "seconds": len(result.token_ids) / max(result.tokens_per_second, 1e-9),
-                      "steps": result.steps, "ids": result.token_ids})
+        ids = model.encode(list(messages))
+        _sync()
+        start = time.perf_counter()
+        out = engine.generate([ids], SamplingParams(max_tokens=max_new_tokens))[0]
+        seconds = time.perf_counter() - start
+        messages.append({"role": "assistant", "content": out.text})
+        # accepted length: tokens per verification step (the prefill's first token is not one)
+        turns.append({"tokens": len(out.token_ids), "seconds": seconds, "steps": out.stats.steps,
+                      "emitted": sum(out.stats.accepted_lengths), "ids": list(out.token_ids)})
     return turns
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def run_hf(hf, model: MedusaModel, question: dict, max_new_tokens: int) -> dict:
@@ -68,7 +80,7 @@ def summarise(records: list[dict]) -> dict:
 
     plain, medusa = rate("plain"), rate("medusa")
     steps = sum(t["steps"] for r in records for t in r["medusa"])
-    tokens = sum(t["tokens"] for r in records for t in r["medusa"])
+    tokens = sum(t["emitted"] for r in records for t in r["medusa"])
     pairs = [(p["ids"], m["ids"]) for r in records for p, m in zip(r["plain"], r["medusa"])]
     hf_records = [r for r in records if r.get("hf")]
     out = {"questions": len(records), "plain_tok_s": plain, "medusa_tok_s": medusa,
@@ -107,7 +119,6 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--model", default=None)
     p.add_argument("--heads", default=None)
-    p.add_argument("--tree", default=None)
     p.add_argument("--data", default=str(SPEC_BENCH))
     p.add_argument("--per-category", type=int, default=None)
     p.add_argument("--hf-per-category", type=int, default=0, help="questions per category for the HF baseline")
@@ -120,12 +131,11 @@ def main() -> None:
         args.hf_per_category = min(args.hf_per_category, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = MedusaModel.from_pretrained(args.model, heads=args.heads, tree=args.tree)
-    tree = model.resolve_tree()
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads)
     hf = _load_hf(model) if args.hf_per_category else None
     questions = load_questions(Path(args.data), args.per_category)[: args.limit]
-    model.generate("warm up", max_new_tokens=4)
-    model.generate("warm up", max_new_tokens=4, speculative=False)
+    model.engine(False).warmup()  # captures the CUDA graphs before anything is timed
+    policy = model.engine(True).warmup()  # and measures which tree each batch size gets
     records, hf_taken = [], defaultdict(int)
     for q in tqdm(questions, desc="spec-bench", dynamic_ncols=True):
         rec = {"category": q["category"], "plain": run_ours(model, q, args.max_new_tokens, False),
@@ -137,7 +147,8 @@ def main() -> None:
     by_cat = defaultdict(list)
     for r in records:
         by_cat[r["category"]].append(r)
-    summary = {"device": _device_name(), "tree_nodes": tree.num_nodes, "max_new_tokens": args.max_new_tokens,
+    summary = {"device": _device_name(), "tree_nodes": max(t.num_nodes for t in model.engine(True).scheduler.trees),
+               "tree_policy": policy, "max_new_tokens": args.max_new_tokens,
                "dtype": str(model.base.embed_tokens.weight.dtype), "overall": summarise(records),
                "categories": {c: summarise(rs) for c, rs in by_cat.items()}}
     (out / "results.json").write_text(json.dumps(summary, indent=2))

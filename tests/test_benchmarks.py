@@ -31,3 +31,28 @@ def test_kernels_quick(tmp_path):
     assert [r["context"] for r in results["attention"]] == [64, 128]
     assert {(r["batch"], r["tree_tokens"]) for r in results["steps"]} == {(1, 1), (1, 4), (2, 1), (2, 4)}
     assert all(r["seconds"] > 0 for r in results["steps"])
+
+
+def test_serving_quick(default_model_dir, tmp_path):
+    results = run("serving.py", tmp_path)
+    rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
+    assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 2)}
+    for (mode, c), row in rows.items():
+        assert row["failed"] == 0 and row["requests"] == 2 * c
+        assert row["request_throughput"] > 0 and row["output_tok_s"] > 0
+        assert row["output_tokens"] == 8 * row["requests"]  # ignore_eos: every request makes max_tokens
+        assert 0 < row["ttft_p50"] <= row["ttft_p99"] and 0 < row["tpot_p50"] <= row["tpot_p99"]
+    assert rows[("medusa", 1)]["mean_accepted_length"] >= 1.0  # the server's counters moved
+    assert results["environment"]["server_exit_code"] == 0  # SIGTERM: a clean shutdown
+    assert (tmp_path / "serving.png").stat().st_size > 0
+
+
+def test_throughput_quick(tmp_path):
+    results = run("throughput.py", tmp_path)
+    rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
+    assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 4)}
+    for (mode, c), row in rows.items():
+        assert row["requests"] == 3 * c and row["tokens"] == 8 * row["requests"]  # ignore_eos
+        assert row["tok_s"] > 0 and row["mean_accepted_length"] >= 1.0
+    assert rows[("plain", 1)]["speedup"] == 1.0
+    assert (tmp_path / "throughput.png").stat().st_size > 0

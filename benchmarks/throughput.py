@@ -1,0 +1,167 @@
+"""Engine throughput: Medusa vs plain decoding at 1, 8, 32 and 64 concurrent requests.
+
+    python benchmarks/throughput.py --out out/throughput                       # GPU: default model + 1B/8B shapes
+    python benchmarks/throughput.py --models default --out out/tp
+    python benchmarks/throughput.py --quick --out out/tp-quick                 # CPU smoke run (CI)
+
+For each model and concurrency C, a closed loop keeps C requests in flight on
+one engine (greedy) until 3 x C requests are served (a new one joins as soon as
+one finishes, as C busy clients would send them); output tokens/s is all their
+tokens over the wall time, prefill included. The default model runs Spec-Bench first turns with
+its shipped heads. The Llama-3.2-1B and Llama-3.1-8B shapes have random weights
+and random heads, which accept almost nothing: those rows measure what
+speculation *costs* (the adaptive tree must keep it near 1.0x), not what it
+gains. Writes results.json and, with matplotlib, throughput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from medusa.config import ModelConfig
+from medusa.decoding.engine import EngineConfig, LLMEngine
+from medusa.decoding.sampling_params import SamplingParams
+from medusa.decoding.scheduler import SchedulerConfig
+from medusa.heads import HeadsConfig, MedusaHeads
+from medusa.loading import empty_model
+from medusa.training.data import DATA_DIR
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
+    "llama-3.2-1b": (2048, 8192, 16, 32, 8, 128256),
+    "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256),
+    "tiny": (64, 128, 2, 4, 2, 256),
+}
+
+
+def random_model(shape: str, device, dtype):
+    hidden, inter, layers, heads, kv_heads, vocab = SHAPES[shape]
+    config = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
+                         max_position_embeddings=8192)
+    model = empty_model(config, dtype, device)
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    medusa = MedusaHeads(HeadsConfig(num_heads=4, hidden_size=hidden, vocab_size=vocab)).to(device, dtype).eval()
+    return model, medusa, None
+
+
+def default_model(device, dtype):
+    from medusa.medusa_model import MedusaModel
+
+    m = MedusaModel.from_pretrained(device=device, dtype=dtype)
+    rows = [json.loads(line) for line in (DATA_DIR / "spec_bench.jsonl").read_text().splitlines()]
+    prompts = [m.encode([{"role": "user", "content": r["turns"][0]}]) for r in rows]
+    return m, prompts
+
+
+def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
+    """Closed loop: `concurrency` requests stay in flight until every prompt is served."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    queue, finished, in_flight, steps = list(prompts), [], 0, 0
+    start = time.perf_counter()
+    while queue or in_flight:
+        while queue and in_flight < concurrency:
+            engine.add_request(queue.pop(0), params)
+            in_flight += 1
+        done = [o for o in engine.step() if o.finished]
+        finished += done
+        in_flight -= len(done)
+        steps += 1
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in finished)
+    verify_steps = sum(o.stats.steps for o in finished)
+    emitted = sum(sum(o.stats.accepted_lengths) for o in finished)
+    return {"requests": len(finished), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "engine_steps": steps, "ms_per_step": 1e3 * seconds / steps,
+            "mean_accepted_length": emitted / max(verify_steps, 1)}
+
+
+def bench_model(name: str, args, device, dtype) -> list[dict]:
+    if name == "default":
+        m, prompts = default_model(device, dtype)
+        base, heads, tokenizer, eos = m.base, m.heads, m.tokenizer, sorted(m.eos_token_ids)
+        config = m._engine_config()
+        params = SamplingParams(max_tokens=args.max_tokens)
+    else:
+        base, heads, tokenizer = random_model(name, device, dtype)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, base.config.vocab_size, (int(n),), generator=g).tolist()
+                   for n in torch.randint(64, 256, (args.requests_per_slot * max(args.concurrency),), generator=g)]
+        eos, config = [], EngineConfig()
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    scheduler = SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=4096)
+    config = EngineConfig(num_blocks=args.num_blocks, trees=config.trees, scheduler=scheduler)
+    rows = []
+    for mode, medusa in (("plain", None), ("medusa", heads)):
+        engine = LLMEngine(base, medusa, config, tokenizer, eos)
+        policy = engine.warmup()
+        print(json.dumps({"model": name, "mode": mode, "tree_policy": policy}), flush=True)
+        run_level(engine, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), 1)
+        for c in args.concurrency:
+            level = prompts[: args.requests_per_slot * c]
+            row = {"model": name, "mode": mode, "concurrency": c, **run_level(engine, level, params, c)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    plain = {r["concurrency"]: r["tok_s"] for r in rows if r["mode"] == "plain"}
+    for r in rows:
+        r["speedup"] = r["tok_s"] / plain[r["concurrency"]]
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for mode in ("plain", "medusa"):
+            sel = [r for r in rows if r["model"] == model and r["mode"] == mode]
+            ax.plot([r["concurrency"] for r in sel], [r["tok_s"] for r in sel], marker="o", label=mode)
+        ax.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s", title=model)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--models", default="default,llama-3.2-1b,llama-3.1-8b")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--requests-per-slot", type=int, default=3, help="requests served per concurrent slot")
+    p.add_argument("--quick", action="store_true", help="tiny random model, 2 levels, 8 tokens (CPU, CI)")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.quick:
+        args.models, args.concurrency, args.max_tokens, args.num_blocks = "tiny", [1, 4], 8, 128
+    rows = [r for name in args.models.split(",") for r in bench_model(name, args, device, dtype)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    (out / "results.json").write_text(json.dumps({"device": device_name, "dtype": str(dtype),
+                                                   "max_tokens": args.max_tokens, "rows": rows}, indent=2))
+    plot(rows, out / "throughput.png")
+    for r in rows:
+        print(f"{r['model']:>14} {r['mode']:>6} C={r['concurrency']:<3} {r['tok_s']:9.1f} tok/s "
+              f"{r['speedup']:.2f}x  {r['ms_per_step']:.2f} ms/step  accepted {r['mean_accepted_length']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
