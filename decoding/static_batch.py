@@ -18,6 +18,12 @@ from medusa.decoding.sampler import SamplingConfig, sample, target_probs
 from medusa.model import DecoderModel
 
 
+# Keys attended per step are rounded up to this many slots (the extra ones are masked out). The
+# attention backend (cuDNN SDPA on the H200) plans once per shape, and a plan costs far more than the
+# step: a key length growing by one every step made every step of a fresh batch width a new plan.
+KEY_BUCKET = 256
+
+
 class PaddedKVCache:
     """k, v [num_layers, B, S, Hkv, D]; `valid` [B, S] marks real (non-pad) slots."""
 
@@ -28,25 +34,26 @@ class PaddedKVCache:
         self.v = torch.zeros(shape, dtype=w.dtype, device=w.device)
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=w.device)
         self.length = 0
-        self._step, self._mask = 0, None
+        self._step, self._keys, self._mask = 0, 0, None
 
     def begin(self, valid: torch.Tensor) -> None:
-        """valid [B, T] for this step's tokens; builds the [B, 1, T, length + T] mask."""
+        """valid [B, T] for this step's tokens; builds the [B, 1, T, S] mask, S = keys rounded up to KEY_BUCKET."""
         t = valid.shape[1]
         self.valid[:, self.length:self.length + t] = valid
-        keys = self.valid[:, : self.length + t]  # [B, S]
-        causal = torch.ones(t, self.length + t, dtype=torch.bool, device=valid.device).tril(self.length)
+        s = min(self.valid.shape[1], -(-(self.length + t) // KEY_BUCKET) * KEY_BUCKET)
+        keys = self.valid[:, :s]  # [B, S]; slots not yet written are False
+        causal = torch.ones(t, s, dtype=torch.bool, device=valid.device).tril(self.length)
         mask = causal & keys[:, None, :]  # [B, T, S]
         # a pad query attends to itself so its row stays finite (NaN would leak through values)
-        mask[:, :, self.length:] |= torch.eye(t, dtype=torch.bool, device=valid.device)
-        self._step, self._mask = t, mask[:, None]
+        mask[:, :, self.length:self.length + t] |= torch.eye(t, dtype=torch.bool, device=valid.device)
+        self._step, self._keys, self._mask = t, s, mask[:, None]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]"""
         end = self.length + self._step
         self.k[layer, :, self.length:end] = k
         self.v[layer, :, self.length:end] = v
-        return attend(q, self.k[layer, :, :end], self.v[layer, :, :end], mask=self._mask)
+        return attend(q, self.k[layer, :, :self._keys], self.v[layer, :, :self._keys], mask=self._mask)
 
     def advance(self) -> None:
         self.length += self._step

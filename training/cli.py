@@ -74,10 +74,9 @@ def _eval(args) -> int:
     base, tokenizer, model_id, system_prompt, eos = load_base(args.model or config.model)
     heads = MedusaHeads.from_pretrained(args.heads, lm_head_weight=base.lm_head.weight).float().to(base.lm_head.weight.device)
     tree = TreeSpec.load(args.tree) if args.tree else TreeSpec.from_paths(heads.config.tree or [], name="heads")
-    conversations, sources = gather_conversations(config)
+    pool = gather_conversations(config)
     cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"
-    _, heldout = self_distill(base, tokenizer, conversations, sources, model_id, config.data, cache,
-                              config.seed, system_prompt, eos)
+    _, heldout = self_distill(base, tokenizer, pool, model_id, config.data, cache, config.seed, system_prompt, eos)
     subset = _first(heldout, config.eval.max_sequences)
     rank = max(config.eval.max_rank, max(tree.topk_per_depth, default=1))
     result = evaluate_heads(base, heads, batches(subset, config.train.max_tokens_per_batch, 0, 0), tree, rank)

@@ -27,21 +27,81 @@ class HeadsSection:
 
 
 @dataclass(frozen=True)
+class SourceSpec:
+    """One prompt file and how much of it to use (a `data.sources` entry)."""
+
+    path: str  # a path, or a file name looked up in ../shared/data when not found from the working directory
+    max_prompts: int | None = None  # a seeded random subset of this many prompts; None: all of them
+    samples_per_prompt: int | None = None  # sampled answers per train prompt; None: data.samples_per_prompt
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path.strip():
+            raise ValueError(f"path must be a non-empty string, got {self.path!r}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError(f"max_prompts must be >= 1 (or null for all), got {self.max_prompts}")
+        if self.samples_per_prompt is not None and self.samples_per_prompt < 0:
+            raise ValueError(f"samples_per_prompt must be >= 0, got {self.samples_per_prompt}")
+
+
+@dataclass(frozen=True)
 class DataSection:
-    sources: list[str] | None = None  # None: GSM8K train + Self-Instruct from ../shared/data
-    limit: int | None = None  # conversations per source file
+    # None: GSM8K train + Self-Instruct from ../shared/data. Each entry is a file name / path, or a mapping
+    # {path, max_prompts, samples_per_prompt}; both become SourceSpec here.
+    sources: list[str | SourceSpec] | None = None
+    limit: int | None = None  # first prompts read per source file (before max_prompts)
     max_new_tokens: int = 320
-    samples_per_prompt: int = 1  # sampled answers per prompt, besides the greedy one
+    # Sampled answers per train prompt besides the greedy one; a source's own setting overrides it;
+    # self-written prompts use it.
+    samples_per_prompt: int = 1
     sample_temperature: float = 0.7
+    followup_fraction: float = 0.0  # share of train conversations given a generic 2nd user turn + 2nd answer
+    self_prompts: int = 0  # user prompts the base model writes itself (sampled), each then answered greedily
+    self_prompt_temperature: float = 1.0
+    self_prompt_max_tokens: int = 128  # a user prompt not finished within this many tokens is dropped
     distill_batch_size: int = 256
     holdout_fraction: float = 0.02
     cache_dir: str | None = None  # None: <output_dir>/distill
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1 or self.samples_per_prompt < 0 or self.distill_batch_size < 1:
-            raise ValueError("data: max_new_tokens and distill_batch_size must be >= 1, samples_per_prompt >= 0")
+        if self.sources is not None:
+            object.__setattr__(self, "sources", _parse_sources(self.sources))
+        for key in ("max_new_tokens", "distill_batch_size", "self_prompt_max_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("samples_per_prompt", "self_prompts"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"data.{key} must be >= 0, got {getattr(self, key)}")
+        if self.limit is not None and self.limit < 0:
+            raise ValueError(f"data.limit must be >= 0 (or null), got {self.limit}")
         if not 0 <= self.holdout_fraction < 1:
             raise ValueError(f"data.holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
+        if not 0 <= self.followup_fraction <= 1:
+            raise ValueError(f"data.followup_fraction must be in [0, 1], got {self.followup_fraction}")
+        if not self.sample_temperature >= 0:
+            raise ValueError(f"data.sample_temperature must be >= 0, got {self.sample_temperature}")
+        if not self.self_prompt_temperature > 0:  # greedy would write the same prompt every time
+            raise ValueError(f"data.self_prompt_temperature must be > 0, got {self.self_prompt_temperature}")
+
+
+def _parse_sources(sources: Any) -> list[SourceSpec]:
+    """Plain names and {path, max_prompts, samples_per_prompt} mappings -> SourceSpecs, errors naming the entry."""
+    if not isinstance(sources, (list, tuple)):
+        raise ValueError(f"data.sources must be a list of file names or mappings, got {sources!r}")
+    specs = []
+    for i, item in enumerate(sources):
+        where = f"data.sources[{i}]"
+        if isinstance(item, SourceSpec):
+            specs.append(item)
+            continue
+        if isinstance(item, str):
+            item = {"path": item}
+        if not isinstance(item, dict) or "path" not in item:
+            raise ValueError(f"{where} must be a file name or a mapping with a 'path', got {item!r}")
+        try:
+            specs.append(_build(SourceSpec, item, where + "."))
+        except ValueError as err:
+            raise ValueError(err if where in str(err) else f"{where}: {err}") from None
+    return specs
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from .distill_cache import Sequences, load_cached, manifest_for, save_cached
 
 __all__ = [
     "DATA_DIR", "DEFAULT_SOURCES", "Batch", "Sequences", "batch_plan", "batches", "default_sources",
-    "load_cached", "load_conversations", "manifest_for", "save_cached",
+    "load_cached", "load_conversations", "manifest_for", "resolve_source", "save_cached",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,17 @@ def default_sources() -> list[Path]:
     return found
 
 
+def resolve_source(path: str | Path) -> Path:
+    """A prompt file path; a relative one missing from the working directory is looked up in DATA_DIR.
+
+    So recipes can name the shared files (`gsm8k_train.jsonl`) wherever the job runs.
+    """
+    path = Path(path)
+    if not path.is_absolute() and not path.exists() and (DATA_DIR / path).is_file():
+        return DATA_DIR / path
+    return path
+
+
 def load_conversations(
     path: str | Path, columns: Mapping[str, str] | None = None, limit: int | None = None
 ) -> list[Conversation]:
@@ -67,6 +78,9 @@ def load_conversations(
     `columns` maps our names (one of PROMPT_KINDS, plus "input"/"instances"
     with "instruction") to the file's column names; without it the first
     PROMPT_KINDS column present is used. Rows with empty prompts are skipped.
+    A Self-Instruct row (instruction + instances) gives one prompt per
+    distinct non-empty instance input; every other row gives one prompt.
+    `limit` caps the conversations returned.
     """
     path = Path(path)
     _refuse_eval_set(path)
@@ -82,16 +96,14 @@ def load_conversations(
         if limit is not None and len(conversations) >= limit:
             break
         try:
-            conversation = _row_to_conversation(kind, row, mapping)
+            found = _row_to_conversations(kind, row, mapping)
         except (TypeError, ValueError, KeyError) as err:
             raise ValueError(f"{path}: row {row_index} ({kind!r} column): {err}") from err
-        if conversation is None:
-            skipped += 1
-        else:
-            conversations.append(conversation)
+        skipped += not found
+        conversations += found
     if skipped:
         logger.warning("%s: skipped %d row(s) with an empty prompt", path, skipped)
-    return conversations
+    return conversations[:limit]
 
 
 def _refuse_eval_set(path: Path) -> None:
@@ -152,19 +164,20 @@ def _resolve_columns(
     return kind, mapping
 
 
-def _row_to_conversation(kind: str, row: dict[str, Any], mapping: dict[str, str]) -> Conversation | None:
-    """One row -> messages ending with the user turn, or None for an empty prompt."""
+def _row_to_conversations(kind: str, row: dict[str, Any], mapping: dict[str, str]) -> list[Conversation]:
+    """One row -> its prompts (messages ending with the user turn); [] for an empty prompt."""
     value = row[mapping[kind]]
     if kind == "messages":
-        return _from_messages(value)
+        conversation = _from_messages(value)
+        return [conversation] if conversation is not None else []
     if kind == "turns":
         turns = [value] if isinstance(value, str) else list(value or [])
-        text = _text(turns[0]) if turns else ""
+        texts = [_text(turns[0])] if turns else []
     elif kind == "instruction":
-        text = _instruction_text(value, row, mapping)
+        texts = _instruction_texts(value, row, mapping)
     else:  # question, prompt
-        text = _text(value)
-    return [{"role": "user", "content": text}] if text.strip() else None
+        texts = [_text(value)]
+    return [[{"role": "user", "content": text}] for text in texts if text.strip()]
 
 
 def _from_messages(value: Any) -> Conversation | None:
@@ -178,22 +191,24 @@ def _from_messages(value: Any) -> Conversation | None:
     return kept if kept[-1]["content"].strip() else None
 
 
-def _instruction_text(instruction: Any, row: dict[str, Any], mapping: dict[str, str]) -> str:
-    """Instruction, plus "\\n\\n" + input when the input is non-empty.
+def _instruction_texts(instruction: Any, row: dict[str, Any], mapping: dict[str, str]) -> list[str]:
+    """Instruction + "\n\n" + input, once per non-empty input; the bare instruction when there is none.
 
-    The input comes from the `input` column, else from the first of
-    `instances[].input` (the Self-Instruct layout).
+    The input comes from the `input` column (one prompt per row), else from
+    each distinct `instances[].input` (the Self-Instruct layout: one task
+    with several instances becomes several prompts, more diverse data).
     """
     text = _text(instruction).strip()
-    extra = ""
+    if not text:
+        return []
     if "input" in mapping:
-        extra = _text(row[mapping["input"]])
+        extras = [_text(row[mapping["input"]])]
     elif "instances" in mapping:
-        instances = row[mapping["instances"]] or []
-        if instances and isinstance(instances[0], dict):
-            extra = _text(instances[0].get("input"))
-    extra = extra.strip()
-    return f"{text}\n\n{extra}" if text and extra else text
+        extras = [_text(x.get("input")) for x in row[mapping["instances"]] or [] if isinstance(x, dict)]
+    else:
+        extras = []
+    extras = list(dict.fromkeys(e.strip() for e in extras if e and e.strip()))  # distinct, in file order
+    return [f"{text}\n\n{extra}" for extra in extras] or [text]
 
 
 def _text(value: Any) -> str:
@@ -209,7 +224,8 @@ class Batch:
     """Right-padded training batch; loss only on response tokens."""
 
     input_ids: torch.Tensor  # [B, T] int64, padded with 0
-    loss_mask: torch.Tensor  # [B, T] bool, True where prompt_len <= position < length
+    loss_mask: torch.Tensor  # [B, T] bool, True on response tokens (prompt_len <= position < length, minus
+    # later user turns when the Sequences carry a loss_mask)
     lengths: torch.Tensor  # [B] int64 tokens per row (after truncation to max_tokens)
     indices: torch.Tensor  # [B] int64 which sequences of the source `Sequences`
 
@@ -285,11 +301,10 @@ def batches(
 def _collate(sequences: Sequences, indices: np.ndarray, max_tokens: int) -> Batch:
     idx = torch.from_numpy(indices)  # [B]
     lengths = sequences.lengths[idx].clamp(max=max_tokens)  # [B]
-    prompt_lengths = sequences.prompt_lengths[idx].long()  # [B]
     input_ids = torch.zeros(len(idx), int(lengths.max()), dtype=torch.int64)  # [B, T]
+    loss_mask = torch.zeros(input_ids.shape, dtype=torch.bool)  # [B, T]
     for row, (i, length) in enumerate(zip(idx.tolist(), lengths.tolist())):
         start = int(sequences.offsets[i])
         input_ids[row, :length] = sequences.tokens[start: start + length]
-    positions = torch.arange(input_ids.shape[1])[None, :]  # [1, T]
-    loss_mask = (positions >= prompt_lengths[:, None]) & (positions < lengths[:, None])  # [B, T]
+        loss_mask[row, :length] = sequences.row_loss_mask(i, length)  # response tokens (all assistant turns)
     return Batch(input_ids=input_ids, loss_mask=loss_mask, lengths=lengths, indices=idx)

@@ -1,10 +1,14 @@
 """Self-distillation: the base model writes the answers its heads will learn from.
 
 Heads trained on the base model's own outputs learn what it *will* say, which
-is what acceptance rewards. Prompts are split into train and held-out before
-generation; train prompts get one greedy answer plus `samples_per_prompt`
-sampled ones, held-out prompts one greedy answer (greedy decoding is what the
-held-out acceptance simulation reproduces). Results are cached on disk.
+is what acceptance rewards. Optionally the model first writes user prompts of
+its own (`data.self_prompts`), which join the file prompts. Prompts are split
+into train and held-out before generation. Train prompts get one greedy
+answer plus their source's number of sampled ones; a `followup_fraction` of
+them continue with a generic second user turn and a second greedy answer (the
+2-turn conversation replaces the 1-turn one). Held-out prompts get one greedy
+answer (greedy decoding is what the held-out acceptance simulation
+reproduces). Self-prompts, train and held-out sequences are cached on disk.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from medusa.decoding.static_batch import generate_padded
 from medusa.model import DecoderModel
 from medusa.training.config import DataSection
 from medusa.training.data import Sequences, load_cached, manifest_for, save_cached
+from medusa.training.prompt_mix import (
+    FOLLOWUPS, SELF_PROMPT_RULES, PromptPool, followup_prompt, open_user_turn_ids, pick_followups,
+    select_self_prompts,
+)
+
+GREEDY = SamplingConfig()
 
 
 def split_prompts(num: int, holdout_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -32,44 +42,108 @@ def split_prompts(num: int, holdout_fraction: float, seed: int) -> tuple[list[in
     return sorted(order[cut:]), sorted(order[:cut])
 
 
-def distill_split(model: DecoderModel, prompts: list[list[int]], temperatures: Sequence[float],
-                  settings: DataSection, eos_ids: Sequence[int], seed: int, desc: str) -> Sequences:
-    """One answer per prompt per temperature; batches of similar prompt length."""
-    device = model.embed_tokens.weight.device
+def generate_many(model: DecoderModel, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                  max_new_tokens: int, batch_size: int, eos_ids: Sequence[int],
+                  generator: torch.Generator | None = None, desc: str = "generating") -> list[list[int]]:
+    """One continuation per prompt, in the prompts' order; batches of similar prompt length (little padding)."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    chunks = [order[i:i + settings.distill_batch_size] for i in range(0, len(order), settings.distill_batch_size)]
-    seqs, prompt_lengths = [], []
-    bar = tqdm(total=len(chunks) * len(temperatures), desc=desc, dynamic_ncols=True)
-    for index, temperature in enumerate(temperatures):
-        generator = torch.Generator(device=device).manual_seed(seed + index)
-        sampling = SamplingConfig(temperature=temperature)
-        for chunk in chunks:
-            batch = [prompts[i] for i in chunk]
-            answers = generate_padded(model, batch, settings.max_new_tokens, sampling, eos_ids, generator)
-            for prompt, answer in zip(batch, answers):
-                seqs.append(list(prompt) + answer)
-                prompt_lengths.append(len(prompt))
-            bar.update(1)
-    bar.close()
-    return Sequences.from_lists(seqs, prompt_lengths)
+    out: list[list[int]] = [[] for _ in prompts]
+    for start in tqdm(range(0, len(order), batch_size), desc=desc, dynamic_ncols=True):
+        chunk = order[start:start + batch_size]
+        answers = generate_padded(model, [prompts[i] for i in chunk], max_new_tokens, sampling, eos_ids, generator)
+        for i, answer in zip(chunk, answers):
+            out[i] = answer
+    return out
 
 
-def self_distill(model: DecoderModel, tokenizer: Any, conversations: list, sources: list[Path], model_id: str,
-                 settings: DataSection, cache_dir: Path, seed: int, system_prompt: str | None,
+def distill_train(model: DecoderModel, tokenizer: Any, conversations: list, prompts: list[list[int]],
+                  samples: list[int], settings: DataSection, eos_ids: Sequence[int], seed: int,
+                  system_prompt: str | None) -> Sequences:
+    """Greedy answers (some continued by a follow-up turn), then the sampled answers."""
+    device = model.embed_tokens.weight.device
+    run = dict(max_new_tokens=settings.max_new_tokens, batch_size=settings.distill_batch_size, eos_ids=eos_ids)
+    greedy = generate_many(model, prompts, GREEDY, desc="self-distilling (train, greedy)", **run)
+    seqs = [p + a for p, a in zip(prompts, greedy)]
+    masks: list[list[bool] | None] = [None] * len(seqs)  # None: loss on everything after the prompt
+    followups = pick_followups(len(prompts), settings.followup_fraction, seed)
+    if followups:
+        turns = {i: followup_prompt(tokenizer, conversations[i], prompts[i], greedy[i], text, system_prompt)
+                 for i, text in followups.items()}
+        second = generate_many(model, [ids for ids, _ in turns.values()], GREEDY,
+                               desc="self-distilling (train, follow-up turns)", **run)
+        for (i, (ids, mask)), answer in zip(turns.items(), second):
+            seqs[i], masks[i] = ids + answer, mask + [True] * len(answer)
+    jobs = [i for i, n in enumerate(samples) for _ in range(n)]
+    if jobs:
+        generator = torch.Generator(device=device).manual_seed(seed + 1)
+        hot = SamplingConfig(temperature=settings.sample_temperature)
+        sampled = generate_many(model, [prompts[i] for i in jobs], hot, generator=generator,
+                                desc="self-distilling (train, sampled)", **run)
+        seqs += [prompts[i] + a for i, a in zip(jobs, sampled)]
+    prompt_lengths = [len(p) for p in prompts] + [len(prompts[i]) for i in jobs]
+    return Sequences.from_lists(seqs, prompt_lengths, masks + [None] * len(jobs))
+
+
+def write_self_prompts(model: DecoderModel, tokenizer: Any, model_id: str, settings: DataSection, cache_dir: Path,
+                       seed: int, system_prompt: str | None, eos_ids: Sequence[int]) -> list[list[dict[str, str]]]:
+    """`settings.self_prompts` samples of a user message from an open user turn, filtered; cached."""
+    knobs = {"self_prompts": settings.self_prompts, "temperature": settings.self_prompt_temperature,
+             "max_tokens": settings.self_prompt_max_tokens, "rules": SELF_PROMPT_RULES, "seed": seed,
+             "system_prompt": system_prompt}
+    manifest = manifest_for(model_id, [], knobs)
+    kept = load_cached(cache_dir / "self_prompts", manifest)
+    if kept is None:
+        prefix = open_user_turn_ids(tokenizer, system_prompt)  # [P] ids ending "<|im_start|>user\n"
+        generator = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed + 2)
+        outputs = generate_many(model, [prefix] * settings.self_prompts,
+                                SamplingConfig(temperature=settings.self_prompt_temperature),
+                                settings.self_prompt_max_tokens, settings.distill_batch_size, eos_ids, generator,
+                                desc="self-prompting")
+        messages = select_self_prompts(tokenizer, outputs, eos_ids)
+        kept = Sequences.from_lists(messages, [0] * len(messages))
+        save_cached(cache_dir / "self_prompts", manifest, kept)
+    texts = [tokenizer.decode(kept[i][0].tolist(), skip_special_tokens=True) for i in range(len(kept))]
+    return [[{"role": "user", "content": text}] for text in texts]
+
+
+def distill_knobs(settings: DataSection) -> dict[str, Any]:
+    """Every setting that changes the generated data (the cache manifest's settings)."""
+    knobs = {k: v for k, v in asdict(settings).items() if k not in ("cache_dir", "distill_batch_size")}
+    if settings.followup_fraction > 0:
+        knobs["followups"] = list(FOLLOWUPS)
+    if settings.self_prompts > 0:
+        knobs["self_prompt_rules"] = SELF_PROMPT_RULES
+    else:  # unused: changing them must not regenerate anything
+        del knobs["self_prompt_temperature"], knobs["self_prompt_max_tokens"]
+    return knobs
+
+
+def self_distill(model: DecoderModel, tokenizer: Any, pool: PromptPool, model_id: str, settings: DataSection,
+                 cache_dir: Path, seed: int, system_prompt: str | None,
                  eos_ids: Sequence[int]) -> tuple[Sequences, Sequences]:
     """(train, held-out) sequences, from the cache when model, files and settings match."""
+    knobs = {**distill_knobs(settings), "seed": seed, "system_prompt": system_prompt}
+    manifests = {split: manifest_for(model_id, pool.sources, {**knobs, "split": split}, len(pool.conversations))
+                 for split in ("train", "heldout")}
+    cached = {split: load_cached(cache_dir / split, manifest) for split, manifest in manifests.items()}
+    if all(v is not None for v in cached.values()):
+        return cached["train"], cached["heldout"]
+    conversations, samples = list(pool.conversations), list(pool.samples)
+    if settings.self_prompts:
+        written = write_self_prompts(model, tokenizer, model_id, settings, cache_dir, seed, system_prompt, eos_ids)
+        conversations += written
+        samples += [settings.samples_per_prompt] * len(written)
     prompts = [chat_prompt_ids(tokenizer, conv, system_prompt) for conv in conversations]
     train_idx, held_idx = split_prompts(len(prompts), settings.holdout_fraction, seed)
-    knobs = {k: v for k, v in asdict(settings).items() if k not in ("cache_dir", "distill_batch_size")}
-    out = []
-    for split, idx, temps in (("train", train_idx, [0.0] + [settings.sample_temperature] * settings.samples_per_prompt),
-                              ("heldout", held_idx, [0.0])):
-        manifest = manifest_for(model_id, sources, {**knobs, "split": split, "seed": seed,
-                                                    "system_prompt": system_prompt})
-        cached = load_cached(cache_dir / split, manifest)
-        if cached is None:
-            cached = distill_split(model, [prompts[i] for i in idx], temps, settings, eos_ids, seed,
-                                   desc=f"self-distilling ({split})")
-            save_cached(cache_dir / split, manifest, cached)
-        out.append(cached)
-    return out[0], out[1]
+    if cached["train"] is None:
+        cached["train"] = distill_train(model, tokenizer, [conversations[i] for i in train_idx],
+                                        [prompts[i] for i in train_idx], [samples[i] for i in train_idx],
+                                        settings, eos_ids, seed, system_prompt)
+        save_cached(cache_dir / "train", manifests["train"], cached["train"])
+    if cached["heldout"] is None:
+        held = [prompts[i] for i in held_idx]
+        answers = generate_many(model, held, GREEDY, settings.max_new_tokens, settings.distill_batch_size, eos_ids,
+                                desc="self-distilling (heldout)")
+        cached["heldout"] = Sequences.from_lists([p + a for p, a in zip(held, answers)], [len(p) for p in held])
+        save_cached(cache_dir / "heldout", manifests["heldout"], cached["heldout"])
+    return cached["train"], cached["heldout"]

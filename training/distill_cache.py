@@ -7,7 +7,8 @@ sequences are kept in a directory:
                             sha256), number of conversations, generation
                             settings, format version
     sequences.safetensors   tokens [T] int32, offsets [N + 1] int64,
-                            prompt_lengths [N] int32 (see `Sequences`)
+                            prompt_lengths [N] int32, optionally
+                            loss_mask [T] bool (see `Sequences`)
 
 A cache is reused only when its manifest matches the wanted one; otherwise
 `load_cached` says why (a log line) and returns None so the caller regenerates.
@@ -41,13 +42,16 @@ SEQUENCES = "sequences.safetensors"
 class Sequences:
     """Token sequences (prompt + generated response) in flat tensors.
 
-    Sequence i is tokens[offsets[i]:offsets[i + 1]]; its response starts at
-    position prompt_lengths[i].
+    Sequence i is tokens[offsets[i]:offsets[i + 1]]; its (first) response
+    starts at position prompt_lengths[i]. Without `loss_mask` every token from
+    there on is trained on; a multi-turn sequence (answer, follow-up user
+    turn, second answer) carries a `loss_mask` that is False on its user turns.
     """
 
     tokens: torch.Tensor  # [total_tokens] int32
     offsets: torch.Tensor  # [num_seqs + 1] int64, offsets[0] == 0
     prompt_lengths: torch.Tensor  # [num_seqs] int32
+    loss_mask: torch.Tensor | None = None  # [total_tokens] bool, True on assistant tokens; None: from prompt_lengths
 
     def __post_init__(self) -> None:
         t, o, p = self.tokens, self.offsets, self.prompt_lengths
@@ -66,18 +70,32 @@ class Sequences:
             raise ValueError("every sequence needs >= 1 token and 0 <= prompt_length <= length")
         if len(t) and int(t.min()) < 0:
             raise ValueError("token ids must be >= 0")
+        m = self.loss_mask
+        if m is not None and (m.dtype != torch.bool or m.shape != t.shape or m.device.type != "cpu"):
+            raise ValueError(f"loss_mask must be a CPU bool tensor shaped like tokens {tuple(t.shape)}; "
+                             f"got {m.dtype} {tuple(m.shape)}")
 
     @classmethod
-    def from_lists(cls, seqs: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> Sequences:
-        if len(seqs) != len(prompt_lengths):
-            raise ValueError(f"{len(seqs)} sequences but {len(prompt_lengths)} prompt lengths")
+    def from_lists(cls, seqs: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+                   loss_masks: Sequence[Sequence[bool] | None] | None = None) -> Sequences:
+        """`loss_masks[i]` (one bool per token) overrides sequence i's prompt-length mask; None entries keep it."""
+        if len(seqs) != len(prompt_lengths) or (loss_masks is not None and len(loss_masks) != len(seqs)):
+            raise ValueError(f"{len(seqs)} sequences but {len(prompt_lengths)} prompt lengths"
+                             + (f" and {len(loss_masks)} loss masks" if loss_masks is not None else ""))
         lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         flat = [int(x) for s in seqs for x in s]
         if flat and max(flat) >= 2**31:
             raise ValueError("token ids must fit in int32")
         tokens = torch.tensor(flat, dtype=torch.int32)
-        return cls(tokens, offsets, torch.tensor(list(prompt_lengths), dtype=torch.int32))
+        mask = None
+        if loss_masks is not None and any(m is not None for m in loss_masks):
+            if any(m is not None and len(m) != len(s) for s, m in zip(seqs, loss_masks)):
+                raise ValueError("every loss mask needs one entry per token of its sequence")
+            mask = torch.cat([torch.zeros(0, dtype=torch.bool)] + [  # [total_tokens]
+                torch.arange(len(s)) >= p if m is None else torch.tensor(list(m), dtype=torch.bool)
+                for s, p, m in zip(seqs, prompt_lengths, loss_masks)])
+        return cls(tokens, offsets, torch.tensor(list(prompt_lengths), dtype=torch.int32), mask)
 
     def __len__(self) -> int:
         return len(self.prompt_lengths)
@@ -102,7 +120,16 @@ class Sequences:
 
     @property
     def num_response_tokens(self) -> int:
+        if self.loss_mask is not None:
+            return int(self.loss_mask.sum())
         return int((self.lengths - self.prompt_lengths.long()).sum())
+
+    def row_loss_mask(self, i: int, length: int) -> torch.Tensor:
+        """[length] bool: which of the first `length` tokens of sequence i are trained on."""
+        if self.loss_mask is None:
+            return torch.arange(length) >= int(self.prompt_lengths[i])
+        start = int(self.offsets[i])
+        return self.loss_mask[start: start + length]
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> Sequences:
         """The sequences at `indices`, in that order, as new flat tensors."""
@@ -112,7 +139,8 @@ class Sequences:
         # Token j of the output comes from old start + (j - new start) of its sequence.
         shift = torch.repeat_interleave(self.offsets[idx] - offsets[:-1], lengths)  # [total]
         gather = torch.arange(int(offsets[-1]), dtype=torch.int64) + shift
-        return Sequences(self.tokens[gather], offsets, self.prompt_lengths[idx].clone())
+        mask = None if self.loss_mask is None else self.loss_mask[gather]
+        return Sequences(self.tokens[gather], offsets, self.prompt_lengths[idx].clone(), mask)
 
     def split(self, holdout_fraction: float, seed: int) -> tuple[Sequences, Sequences]:
         """(train, heldout), split by distinct prompt so held-out prompts are unseen.
@@ -221,7 +249,8 @@ def load_cached(cache_dir: str | os.PathLike[str], manifest: Mapping[str, Any]) 
         return None
     try:
         tensors = load_file(sequences_path)
-        sequences = Sequences(tensors["tokens"], tensors["offsets"], tensors["prompt_lengths"])
+        sequences = Sequences(tensors["tokens"], tensors["offsets"], tensors["prompt_lengths"],
+                              tensors.get("loss_mask"))
     except Exception as err:  # truncated / foreign file: regenerate rather than crash
         logger.warning("distillation cache %s is unreadable (%s); regenerating", sequences_path, err)
         return None
@@ -246,6 +275,8 @@ def save_cached(cache_dir: str | os.PathLike[str], manifest: Mapping[str, Any], 
     try:
         tensors = {"tokens": sequences.tokens.contiguous(), "offsets": sequences.offsets.contiguous(),
                    "prompt_lengths": sequences.prompt_lengths.contiguous()}
+        if sequences.loss_mask is not None:
+            tensors["loss_mask"] = sequences.loss_mask.contiguous()
         save_file(tensors, tmp_dir / SEQUENCES, metadata={"format": str(FORMAT_VERSION)})
         (tmp_dir / MANIFEST).write_text(json.dumps(dict(manifest), indent=2, sort_keys=True) + "\n")
         # os.replace cannot overwrite a non-empty directory: move the old one aside first.

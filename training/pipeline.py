@@ -13,9 +13,10 @@ from medusa.heads import MedusaHeads
 from medusa.loading import load_base_model
 from medusa.model import DecoderModel
 from medusa.training.config import TrainConfig
-from medusa.training.data import Sequences, batches, default_sources, load_conversations
+from medusa.training.data import Sequences, batches
 from medusa.training.distill import self_distill
 from medusa.training.evaluate import EvalResult, evaluate_heads
+from medusa.training.prompt_mix import PromptPool, gather_prompts
 from medusa.training.trainer import Trainer
 from medusa.tree import TreeSpec
 
@@ -38,12 +39,9 @@ def load_base(model: str | None, dtype: torch.dtype | None = None):
     return base, tokenizer, model_id, system_prompt, sorted(eos)
 
 
-def gather_conversations(config: TrainConfig) -> tuple[list, list[Path]]:
-    sources = [Path(s) for s in config.data.sources] if config.data.sources else default_sources()
-    conversations = []
-    for source in sources:
-        conversations += load_conversations(source, limit=config.data.limit)
-    return conversations, sources
+def gather_conversations(config: TrainConfig) -> PromptPool:
+    """The file prompts of config.data (self-written prompts come later: they need the model)."""
+    return gather_prompts(config.data, config.seed)
 
 
 def run_training(config: TrainConfig, resume: bool = False, tree_name: str | None = None) -> dict:
@@ -52,10 +50,9 @@ def run_training(config: TrainConfig, resume: bool = False, tree_name: str | Non
     (output / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
     timings, start = {}, time.perf_counter()
     base, tokenizer, model_id, system_prompt, eos = load_base(config.model)
-    conversations, sources = gather_conversations(config)
+    pool = gather_conversations(config)
     cache = Path(config.data.cache_dir) if config.data.cache_dir else output / "distill"
-    train, heldout = self_distill(base, tokenizer, conversations, sources, model_id, config.data, cache,
-                                  config.seed, system_prompt, eos)
+    train, heldout = self_distill(base, tokenizer, pool, model_id, config.data, cache, config.seed, system_prompt, eos)
     timings["distill_s"] = time.perf_counter() - start
     trainer = Trainer(config, base, train, base_name=model_id)
     trainer.train(resume=resume)

@@ -46,3 +46,15 @@ def test_seeded_sampling_is_reproducible():
     runs = [generate_padded(model, prompts, 12, SamplingConfig(temperature=1.0),
                             generator=torch.Generator().manual_seed(7)) for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_key_bucket_does_not_change_the_output(monkeypatch):
+    from medusa.decoding import static_batch
+
+    model = tiny_model()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(64, (n,), generator=g).tolist() for n in (5, 13, 2)]
+    expected = generate_padded(model, prompts, 30, SamplingConfig())  # keys padded to the whole cache
+    for bucket in (1, 7, 16):  # exact growth, and buckets crossed several times
+        monkeypatch.setattr(static_batch, "KEY_BUCKET", bucket)
+        assert generate_padded(model, prompts, 30, SamplingConfig()) == expected

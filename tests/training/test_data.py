@@ -69,11 +69,16 @@ def test_instruction_with_input_and_instances(tmp_path):
     path = write_jsonl(tmp_path / "i.jsonl", [{"instruction": "Translate.", "input": "Hallo"},
                                               {"instruction": "Tell a joke.", "input": ""}])
     assert load_conversations(path) == [user("Translate.\n\nHallo"), user("Tell a joke.")]
+    # Self-Instruct layout: one prompt per distinct non-empty instance input (3 instances -> 2 prompts).
     path = write_jsonl(tmp_path / "s.jsonl", [
-        {"instruction": "Sort these.", "instances": [{"input": "b, a", "output": "a, b"}, {"input": "z", "output": "z"}]},
+        {"instruction": "Sort these.", "instances": [{"input": "b, a", "output": "a, b"}, {"input": "z", "output": "z"},
+                                                     {"input": " z ", "output": "z"}]},
         {"instruction": "Name a fruit.", "instances": [{"input": "", "output": "apple"}]},
+        {"instruction": "Count.", "instances": [{"input": "", "output": "0"}, {"input": "1 2", "output": "2"}]},
     ])
-    assert load_conversations(path) == [user("Sort these.\n\nb, a"), user("Name a fruit.")]
+    expanded = [user("Sort these.\n\nb, a"), user("Sort these.\n\nz"), user("Name a fruit."), user("Count.\n\n1 2")]
+    assert load_conversations(path) == expanded
+    assert load_conversations(path, limit=3) == expanded[:3]  # limit counts prompts, not rows
 
 
 def test_parquet_and_explicit_columns(tmp_path):
@@ -159,6 +164,27 @@ def test_sequences_basics_select_and_split():
     assert torch.equal(again.tokens, held.tokens)
     assert not torch.equal(many.split(0.25, seed=4)[1].tokens, held.tokens)
     assert len(many.split(0.0, seed=0)[1]) == 0
+
+
+def test_sequences_loss_mask_survives_select_split_and_cache(tmp_path):
+    # Sequence 0 is two-turn: prompt [1, 2], answer [3], user turn [4, 5], answer [6]; 1 and 2 are one-turn.
+    seqs = Sequences.from_lists([[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11]], [2, 1, 1],
+                                [[False, False, True, False, False, True], None, None])
+    assert seqs.loss_mask.tolist() == [0, 0, 1, 0, 0, 1, 0, 1, 1, 0, 1]
+    assert seqs.num_response_tokens == 2 + 2 + 1
+    assert seqs.row_loss_mask(0, 4).tolist() == [False, False, True, False]  # truncated rows too
+    sub = seqs.select([2, 0])
+    assert sub.loss_mask.tolist() == [0, 1, 0, 0, 1, 0, 0, 1]
+    (batch,) = batches(seqs, 64, seed=0, epoch=0)
+    for row, i in enumerate(batch.indices.tolist()):
+        assert batch.loss_mask[row].tolist()[: len(seqs[i][0])] == seqs.row_loss_mask(i, len(seqs[i][0])).tolist()
+    source = write_jsonl(tmp_path / "p.jsonl", [{"question": "a"}])
+    manifest = manifest_for("m", [source], SETTINGS, num_conversations=1)
+    save_cached(tmp_path / "cache", manifest, seqs)
+    assert torch.equal(load_cached(tmp_path / "cache", manifest).loss_mask, seqs.loss_mask)
+    assert Sequences.from_lists([[1, 2]], [1], [None]).loss_mask is None  # no explicit mask: none stored
+    with pytest.raises(ValueError, match="one entry per token"):
+        Sequences.from_lists([[1, 2]], [1], [[True]])
 
 
 # ---- cache --------------------------------------------------------------------------------
