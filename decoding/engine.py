@@ -34,7 +34,7 @@ from medusa.model import DecoderModel
 from medusa.tree import TreeSpec
 
 
-PRIOR_STEPS = 64  # how many observed steps the heads' predicted acceptance is worth
+PRIOR_STEPS = 16  # how many observed sequence-steps the heads' predicted acceptance is worth
 
 
 @dataclass(frozen=True)
