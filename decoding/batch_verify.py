@@ -54,3 +54,35 @@ def compaction_slots(tree: DeviceTree, slots: torch.Tensor, best: torch.Tensor) 
     src = slots.gather(1, path)
     keep = torch.arange(path.shape[1], device=slots.device)[None] <= tree.depths[best][:, None]
     return torch.where(keep, src, dst).flatten(), dst.flatten()
+
+
+def sampled_targets(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    uniforms: torch.Tensor) -> torch.Tensor:
+    """Each node's target drawn from its row's processed distribution by inverse CDF.
+
+    logits [B, N, V]; temperature, top_p [B] float; top_k [B] long (0 = off);
+    uniforms [B, N] float64 in [0, 1). Row by row this is exactly
+    `sampler.target_probs` followed by the seeded `TokenSampler` draw, so a
+    seeded request gets the same tokens here as on the host path.
+    """
+    vocab = logits.shape[-1]
+    scaled = logits.float() / temperature[:, None, None]
+    ordered = scaled.sort(dim=-1, descending=True).values
+    use_k = (top_k > 0) & (top_k < vocab)
+    kth = ordered.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None, None].expand(-1, scaled.shape[1], 1))
+    scaled = scaled.masked_fill(use_k[:, None, None] & (scaled < kth), float("-inf"))
+    scaled = _top_p_rows(scaled, top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    cdf = probs.double().cumsum(-1)  # [B, N, V]
+    tokens = torch.searchsorted(cdf, (uniforms * cdf[..., -1])[..., None]).squeeze(-1)
+    return tokens.clamp(max=vocab - 1)
+
+
+def _top_p_rows(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus filter with a threshold per row; rows with top_p = 1 are left alone (as the host path does)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(-1) - probs
+    drop = (mass_before >= top_p[:, None, None]) & (top_p < 1)[:, None, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

@@ -70,11 +70,16 @@ class TokenSampler:
         """probs [N, V]; positions [N] output index of each row's token -> tokens [N]."""
         if self.seed is None:
             return torch.multinomial(probs, 1).squeeze(-1)
-        uniforms = torch.tensor([np.random.default_rng([self.seed, p]).random() for p in positions.tolist()],
-                                dtype=torch.float64, device=probs.device)
+        uniforms = self.uniforms(self.seed, positions).to(probs.device)
         cdf = probs.double().cumsum(-1)  # [N, V]
         tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None]).squeeze(-1)
         return tokens.clamp(max=probs.shape[-1] - 1)
+
+    @staticmethod
+    def uniforms(seed: int, positions: torch.Tensor) -> torch.Tensor:
+        """[N] float64: the uniform behind output position p's draw, a function of (seed, p) only."""
+        return torch.tensor([np.random.default_rng([seed, p]).random() for p in positions.tolist()],
+                            dtype=torch.float64)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

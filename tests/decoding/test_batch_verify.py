@@ -40,3 +40,22 @@ def test_candidates_take_each_depths_head_and_rank():
     assert build_candidates(tree, torch.tensor([7]), topk).tolist() == [[7, 10, 11, 20, 21]]
     assert build_candidates(DeviceTree.from_spec(TreeSpec(), torch.device("cpu")), torch.tensor([3, 4]),
                             None).tolist() == [[3], [4]]
+
+
+def test_batched_sampling_equals_the_host_sampler_row_by_row():
+    from medusa.decoding.batch_verify import sampled_targets
+    from medusa.decoding.sampler import TokenSampler, target_probs
+
+    g = torch.Generator().manual_seed(3)
+    batch, n, vocab = 5, 7, 50
+    logits = torch.randn(batch, n, vocab, generator=g) * 3
+    configs = [SamplingConfig(temperature=0.7), SamplingConfig(temperature=1.3, top_k=5),
+               SamplingConfig(temperature=0.9, top_p=0.6), SamplingConfig(temperature=1.0, top_k=20, top_p=0.9),
+               SamplingConfig(temperature=0.5, top_k=vocab)]
+    positions = torch.arange(n) + 11
+    uniforms = torch.stack([TokenSampler.uniforms(100 + b, positions) for b in range(batch)])
+    got = sampled_targets(logits, torch.tensor([c.temperature for c in configs]),
+                          torch.tensor([c.top_k for c in configs]), torch.tensor([c.top_p for c in configs]), uniforms)
+    for b, config in enumerate(configs):
+        want = TokenSampler(100 + b)(target_probs(logits[b], config), positions)
+        assert got[b].tolist() == want.tolist(), b
