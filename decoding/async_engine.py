@@ -13,7 +13,8 @@ import asyncio
 import uuid
 from typing import AsyncIterator, Sequence
 
-from medusa.decoding.engine import LLMEngine, RequestOutput
+from medusa.decoding.engine import LLMEngine
+from medusa.decoding.outputs import RequestOutput
 from medusa.decoding.sampling_params import SamplingParams
 
 

@@ -24,12 +24,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from medusa.decoding.batch_verify import build_candidates, compaction_slots, emitted_tokens, greedy_verdict
+from medusa.decoding.batch_verify import (
+    build_candidates, compaction_slots, emitted_tokens, greedy_verdict, sampled_targets)
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.heads import MedusaHeads
 from medusa.model import DecoderModel
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """A sampling row's settings for one step; uniforms [D + 1] are those of output
+    positions num_output_tokens + depth (see TokenSampler.uniforms)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    uniforms: np.ndarray
 
 
 @dataclass
@@ -63,6 +75,12 @@ class DecodeStep:
         self.kv_lens = torch.zeros(max_seqs, **long)
         self.query_start = torch.zeros(max_seqs + 1, **long)
         self.causal = torch.zeros(max_seqs, dtype=torch.bool, device=self.device)
+        self.sampled = torch.zeros(max_seqs, dtype=torch.bool, device=self.device)  # [B] row samples
+        self.temperature = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
+        self.top_k = torch.zeros(max_seqs, **long)
+        self.top_p = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
+        self.uniforms = torch.zeros(max_seqs, max_tree, dtype=torch.float64, device=self.device)  # [B, D + 1 ...]
+        self.sampling_step = False  # whether the prepared step has sampling rows (its own graphs)
         self.best = torch.zeros(max_seqs, **long)  # [B] deepest accepted node
         self.next = torch.zeros(max_seqs, **long)  # [B] target token there: the next root
         self.use_graphs = use_graphs and self.device.type == "cuda"
@@ -91,8 +109,10 @@ class DecodeStep:
 
     # ---- one step ---------------------------------------------------------
 
-    def prepare(self, seqs: list, rows: list[int], tree: DeviceTree, blocks: BlockManager) -> int:
-        """Fill the input buffers for `seqs` (state rows `rows`); returns the padded batch size."""
+    def prepare(self, seqs: list, rows: list[int], tree: DeviceTree, blocks: BlockManager,
+                sampling: list[RowSampling | None] | None = None) -> int:
+        """Fill the input buffers for `seqs` (state rows `rows`; `sampling` per row, None = greedy);
+        returns the padded batch size."""
         b, n = len(seqs), tree.num_nodes
         padded = self.bucket(b)
         starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
@@ -112,16 +132,33 @@ class DecodeStep:
         self._put(self.tables, tables)
         self._put(self.kv_lens, kv_lens)
         self._put(self.query_start, query_start)
+        self._prepare_sampling(sampling or [], padded)
         return padded
+
+    def _prepare_sampling(self, sampling: list[RowSampling | None], padded: int) -> None:
+        self.sampling_step = any(r is not None for r in sampling)
+        if not self.sampling_step:
+            return
+        rows = sampling + [None] * (padded - len(sampling))
+        self._put(self.sampled, np.array([r is not None for r in rows]))
+        self._put(self.temperature, np.array([r.temperature if r else 1.0 for r in rows], dtype=np.float32))
+        self._put(self.top_k, np.array([r.top_k if r else 0 for r in rows], dtype=np.int64))
+        self._put(self.top_p, np.array([r.top_p if r else 1.0 for r in rows], dtype=np.float32))
+        width = self.uniforms.shape[1]
+        uniforms = np.zeros((padded, width), dtype=np.float64)
+        for i, r in enumerate(rows):
+            if r is not None:
+                uniforms[i, : len(r.uniforms)] = r.uniforms
+        self._put(self.uniforms, uniforms)
 
     def bucket(self, batch: int) -> int:
         """The padded batch size a step of `batch` sequences runs at."""
         return next(x for x in self.buckets if x >= batch) if self.use_graphs else batch
 
-    def capture(self, tree: DeviceTree, padded: int) -> None:
+    def capture(self, tree: DeviceTree, padded: int, sampling: bool = False) -> None:
         """Capture this bucket's graphs now rather than at first use (no-op without graphs)."""
         if self.use_graphs:
-            self._graph(tree, padded)
+            self._graph(tree, padded, sampling)
 
     @torch.inference_mode()
     def time_step(self, tree: DeviceTree, padded: int, context: int, num_blocks: int, repeats: int = 5) -> float:
@@ -138,7 +175,7 @@ class DecodeStep:
         self.kv_lens[:padded] = min(context, (width - 1) * self.cache.block_size) + n
         self.query_start[: padded + 1] = torch.arange(padded + 1, device=self.device) * n
         self.tables.copy_(torch.arange(self.tables.numel(), device=self.device).view_as(self.tables) % num_blocks)
-        graphs, times = self._graphs[(padded, tree.spec)], []
+        graphs, times = self._graphs[(padded, tree.spec, False)], []
         for _ in range(repeats + 1):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -154,9 +191,9 @@ class DecodeStep:
     def forward(self, tree: DeviceTree, padded: int) -> _Part1:
         """Part 1; afterwards `best`/`next` hold the greedy verdict of every row."""
         if not self.use_graphs:
-            self._last = self._part1(tree, padded)
+            self._last = self._part1(tree, padded, self.sampling_step)
             return self._last
-        graphs = self._graph(tree, padded)
+        graphs = self._graph(tree, padded, self.sampling_step)
         graphs["g1"].replay()
         return graphs["part1"]
 
@@ -164,7 +201,7 @@ class DecodeStep:
         """Part 2 -> packed [Bp, D + 2] long on the device: (count, tokens...) per row."""
         if not self.use_graphs:
             return self._part2(tree, padded, self._last)
-        graphs = self._graph(tree, padded)
+        graphs = self._graph(tree, padded, self.sampling_step)
         graphs["g2"].replay()
         return graphs["packed"]
 
@@ -177,7 +214,7 @@ class DecodeStep:
 
     # ---- the two parts ----------------------------------------------------
 
-    def _part1(self, tree: DeviceTree, padded: int) -> _Part1:
+    def _part1(self, tree: DeviceTree, padded: int, sampling: bool) -> _Part1:
         n = tree.num_nodes
         rows = self.rows[:padded]
         candidates = build_candidates(tree, self.roots[rows], self.topk[rows] if self.kmax else None)
@@ -192,6 +229,10 @@ class DecodeStep:
             self.cache.step = None
         logits = self.model.compute_logits(hidden)  # [Bp * N, V]
         targets = logits.argmax(-1).view(padded, n)
+        if sampling:  # lossless sampling: each node's target is a draw; acceptance is then the same test
+            drawn = sampled_targets(logits.view(padded, n, -1), self.temperature[:padded], self.top_k[:padded],
+                                    self.top_p[:padded], self.uniforms[:padded][:, tree.depths])
+            targets = torch.where(self.sampled[:padded, None], drawn, targets)
         best = greedy_verdict(tree, candidates, targets)
         self.best[:padded] = best
         self.next[:padded] = targets.gather(1, best[:, None]).squeeze(1)
@@ -212,14 +253,14 @@ class DecodeStep:
 
     # ---- CUDA graphs ------------------------------------------------------
 
-    def _graph(self, tree: DeviceTree, padded: int) -> dict:
-        key = (padded, tree.spec)
+    def _graph(self, tree: DeviceTree, padded: int, sampling: bool) -> dict:
+        key = (padded, tree.spec, sampling)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(tree, padded)
+            self._graphs[key] = self._capture(tree, padded, sampling)
         return self._graphs[key]
 
     @torch.inference_mode()
-    def _capture(self, tree: DeviceTree, padded: int) -> dict:
+    def _capture(self, tree: DeviceTree, padded: int, sampling: bool) -> dict:
         """Warm up on an all-padding batch (touches only the scratch slot and padding row), then capture."""
         saved = [t.clone() for t in (self.rows, self.kv_lens, self.query_start, self.slots)]
         self.rows.fill_(self.padding_row)
@@ -230,11 +271,11 @@ class DecodeStep:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._part2(tree, padded, self._part1(tree, padded))
+                self._part2(tree, padded, self._part1(tree, padded, sampling))
         torch.cuda.current_stream().wait_stream(stream)
         g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(g1, pool=self._pool):
-            part1 = self._part1(tree, padded)
+            part1 = self._part1(tree, padded, sampling)
         with torch.cuda.graph(g2, pool=self._pool):
             packed = self._part2(tree, padded, part1)
         for buffer, value in zip((self.rows, self.kv_lens, self.query_start, self.slots), saved):

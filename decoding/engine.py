@@ -6,10 +6,10 @@
         for out in engine.step(): ...
 
 Each step: schedule -> prompt chunks forward eagerly -> every decoding sequence
-verifies its tree in one batched `DecodeStep` (device-side verification, CUDA
-graphs on the GPU; host verification only for rows that sample, ask for
-logprobs or are under min_tokens) -> append tokens, check stops, free finished
-sequences.
+verifies its tree in one batched `DecodeStep` (device-side greedy and sampled
+verification, CUDA graphs on the GPU; host verification only for rows that ask
+for logprobs, are under min_tokens or use penalties) -> append tokens, check stops,
+free finished sequences.
 """
 
 from __future__ import annotations
@@ -18,23 +18,25 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
+import numpy as np
 import torch
 
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.detokenizer import IncrementalDetokenizer
+from medusa.decoding.decode_step import RowSampling
 from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
+from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
 from medusa.decoding.sampler import TokenSampler, target_probs
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import Scheduler, SchedulerConfig, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
+from medusa.decoding.tree_policy import TreePolicy
 from medusa.decoding.verifier import AcceptanceConfig, verify
 from medusa.heads import MedusaHeads
 from medusa.model import DecoderModel
 from medusa.tree import TreeSpec
-
-
-PRIOR_STEPS = 16  # how many observed sequence-steps the heads' predicted acceptance is worth
 
 
 @dataclass(frozen=True)
@@ -53,48 +55,6 @@ class EngineConfig:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {self.num_blocks}, {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-
-
-@dataclass
-class RequestStats:
-    steps: int = 0  # verification steps
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0  # drafted tokens the base agreed with
-    accepted_per_depth: list[int] = field(default_factory=list)
-    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted by each verification step
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return 1 + self.accepted_tokens / self.steps if self.steps else 0.0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # fraction of KV blocks referenced
-    totals: RequestStats  # drafted / accepted tokens over every finished and running request
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float  # of the base model's raw distribution (no temperature), as OpenAI reports
-    top: list[tuple[int, float]]  # the most likely alternatives, best first
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    token_ids: list[int]  # all output tokens so far
-    text: str
-    stats: RequestStats
-    index: int = 0  # which of the request's n completions
-    new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when asked for
 
 
 @dataclass
@@ -143,9 +103,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.totals = RequestStats()  # over the engine's life, for /metrics
-        self._prior: dict[TreeSpec, float] = {}  # heads' predicted accepted length per tree
-        self._step_cost: dict[int, dict[TreeSpec, float]] = {}  # bucket -> tree -> measured seconds
-        self._observed: dict[TreeSpec, tuple[int, int]] = {}  # tree -> (tokens emitted, sequence-steps)
+        self.policy = TreePolicy()  # filled by warmup() on a GPU
 
     # ---- public API ------------------------------------------------------
 
@@ -183,22 +141,15 @@ class LLMEngine:
 
     def warmup(self, context: int = 512) -> dict[int, str]:
         """Capture the decode step's CUDA graphs and, where the heads carry measured
-        accuracies, choose each batch size's tree from measured step times.
-
-        For every batch bucket and candidate tree the captured step is timed at
-        `context` cached tokens; the tree with the most expected tokens per second
-        (heads' expected accepted length / step time) wins that bucket, so large
-        batches fall back to small trees, down to plain decoding, exactly where the
-        device says speculation stops paying. Without accuracies the token budget
-        rule stays and only the graphs it can reach are captured. A no-op on the
-        CPU. Returns bucket -> chosen tree name.
+        accuracies, let the measured tree policy (`tree_policy.py`) pick each batch
+        size's tree. A no-op on the CPU. Returns bucket -> chosen tree name.
         """
         step = self.runner.decode
         if not step.use_graphs:
             return {}
         buckets = sorted({step.bucket(b) for b in range(1, self.config.scheduler.max_num_seqs + 1)})
         accuracies = self.heads.config.accuracies if self.heads is not None else None
-        if not accuracies:
+        if not accuracies:  # the token budget rule stays: capture what it can reach
             for bucket in buckets:
                 step.capture(self._device_tree(self.scheduler.tree_for(bucket)), bucket)
             return {b: _tree_label(self.scheduler.tree_for(b)) for b in buckets}
@@ -206,31 +157,11 @@ class LLMEngine:
             for tree in self.scheduler.trees:
                 if tree.num_nodes > 1 and bucket * tree.num_nodes > self.config.max_graph_tokens:
                     continue
-                try:
-                    self._prior[tree] = tree.expected_accept_length(accuracies)
-                except ValueError:  # the tree uses ranks or heads the accuracies do not cover
-                    continue
-                seconds = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks)
-                self._step_cost.setdefault(bucket, {})[tree] = seconds
-        self.scheduler.policy = self._measured_tree
-        return {b: _tree_label(self._measured_tree(b)) for b in buckets}
-
-    def _measured_tree(self, num_decoding: int) -> TreeSpec:
-        """The tree with the most expected tokens per second at this batch size.
-
-        Step times are measured (warmup); the accepted length starts at the heads'
-        prediction and moves to what this engine actually observes with each tree,
-        as if the prediction were worth PRIOR_STEPS steps, so heads that do worse
-        on real traffic than on their held-out data soon get smaller trees.
-        """
-        costs = self._step_cost[self.runner.decode.bucket(num_decoding)]
-
-        def rate(tree: TreeSpec) -> float:
-            emitted, steps = self._observed.get(tree, (0, 0))
-            expected = (self._prior[tree] * PRIOR_STEPS + emitted) / (PRIOR_STEPS + steps)
-            return expected / costs[tree]
-
-        return max(costs, key=rate)
+                if self.policy.add_prior(tree, accuracies):
+                    seconds = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks)
+                    self.policy.add_cost(bucket, tree, seconds)
+        self.scheduler.policy = lambda n: self.policy.choose(step.bucket(n))
+        return {b: _tree_label(self.policy.choose(b)) for b in buckets}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -279,7 +210,7 @@ class LLMEngine:
             self.runner.decode.set_state(request.row, seq.output_token_ids[-1], rows[-1])
             return None
         raw = self.model.compute_logits(rows[-1:])
-        logits = self._suppress_eos(request, raw, torch.zeros(1, device=self.device))
+        logits = self._suppress_eos(request, self._penalize(request, raw), torch.zeros(1, device=self.device))
         sampling = request.params.sampling()
         first = torch.zeros(1, dtype=torch.long, device=self.device)  # output index 0
         root = logits[0].argmax() if sampling.greedy else request.sampler(target_probs(logits, sampling), first)[0]
@@ -291,12 +222,12 @@ class LLMEngine:
         """One batched verification step for every decoding sequence."""
         step = self.runner.decode
         requests = [self.requests[seq.request_id] for seq in seqs]
-        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks)
+        sampling = [self._row_sampling(r, tree) for r in requests]
+        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling)
         part1 = step.forward(tree, padded)
         self._verify_on_host(requests, tree, part1)
         packed = step.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
-        emitted, steps = self._observed.get(tree.spec, (0, 0))
-        self._observed[tree.spec] = (emitted + sum(row[0] for row in packed), steps + len(packed))
+        self.policy.observe(tree.spec, sum(row[0] for row in packed), len(packed))
         outputs = []
         for request, (count, *tokens) in zip(requests, packed):
             seq = request.seq
@@ -308,15 +239,15 @@ class LLMEngine:
         return outputs
 
     def _verify_on_host(self, requests: list[_Request], tree: DeviceTree, part1) -> None:
-        """Verdicts for rows the greedy device rule cannot decide: sampling, min_tokens, logprobs."""
+        """Verdicts for rows the device rules cannot decide: min_tokens, logprobs, penalties."""
         n = tree.num_nodes
         index, best, next_tokens = [], [], []
         for i, request in enumerate(requests):
             if not self._needs_host(request):
                 continue
             raw = part1.logits[i * n:(i + 1) * n]
-            logits = self._suppress_eos(request, raw, tree.depths)
             candidates = part1.candidates[i]
+            logits = self._suppress_eos(request, self._penalize(request, raw, tree, candidates), tree.depths)
             verdict = verify(tree, candidates, logits, request.params.sampling(), AcceptanceConfig(),
                              request.sampler, request.seq.num_output_tokens)
             accepted = verdict.accepted
@@ -329,7 +260,24 @@ class LLMEngine:
     def _needs_host(self, request: _Request) -> bool:
         params = request.params
         under_min = not params.ignore_eos and request.seq.num_output_tokens < params.min_tokens  # EOS banned somewhere
-        return not params.sampling().greedy or params.logprobs is not None or under_min
+        return params.logprobs is not None or under_min or params.has_penalties
+
+    def _row_sampling(self, request: _Request, tree: DeviceTree) -> RowSampling | None:
+        """Device-side sampling settings for a sampling row the host does not handle; None otherwise.
+
+        Node i's target is output number num_output_tokens + depth(i); its uniform is
+        the one the host sampler would use there (a fresh one per step if unseeded).
+        """
+        sampling = request.params.sampling()
+        if sampling.greedy or self._needs_host(request):
+            return None
+        depths = tree.spec.max_depth + 1
+        if request.sampler.seed is None:
+            uniforms = np.random.random(depths)
+        else:
+            positions = request.seq.num_output_tokens + torch.arange(depths)
+            uniforms = TokenSampler.uniforms(request.sampler.seed, positions).numpy()
+        return RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, uniforms)
 
     # ---- helpers ---------------------------------------------------------
 
@@ -358,20 +306,12 @@ class LLMEngine:
         return kept
 
     def _suppress_eos(self, request: _Request, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """Before min_tokens outputs, EOS / stop tokens may not be chosen at any node.
+        banned = sorted(self.eos | set(request.params.stop_token_ids))
+        return suppress_eos(request.params, request.seq.num_output_tokens, banned, logits, depths)
 
-        logits [N, V]; depths [N]: node i's target is output number
-        num_output_tokens + depths[i] (the pending root counts as output).
-        """
-        params = request.params
-        banned = sorted(self.eos | set(params.stop_token_ids))
-        produced = request.seq.num_output_tokens
-        if params.ignore_eos or not banned or produced + int(depths.min()) >= params.min_tokens:
-            return logits
-        rows = (produced + depths < params.min_tokens).nonzero().squeeze(-1)
-        logits = logits.clone()
-        logits[rows[:, None], torch.tensor(banned, device=logits.device)[None, :]] = float("-inf")
-        return logits
+    def _penalize(self, request: _Request, logits: torch.Tensor, tree: DeviceTree | None = None,
+                  candidates: torch.Tensor | None = None) -> torch.Tensor:
+        return penalize(request.params, request.seq.output_token_ids, logits, tree, candidates)
 
     def _note_logprobs(self, request: _Request, logits: torch.Tensor, tokens: list[int]) -> None:
         """logits [n, V]: row i is the distribution tokens[i] was drawn from."""

@@ -20,6 +20,10 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # independent completions of the prompt (seeds seed, seed + 1, ...)
     logprobs: int | None = None  # return each token's log-probability and this many top alternatives
+    # OpenAI penalties on the output so far (not the prompt, as vLLM): before temperature and top-k/p,
+    # logits[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     speculative: bool = True
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -38,7 +42,16 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, 64], got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+            object.__setattr__(self, name, float(value))
         self.sampling()  # validates temperature, top_p, top_k
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)

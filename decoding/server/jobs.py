@@ -3,10 +3,10 @@
 All the semantic checks live here (context length, vocabulary, options the
 engine cannot honour), so the engine only ever sees requests it can run.
 
-Penalties (presence / frequency / repetition), logit_bias, tools, structured
-output and `suffix` are refused with a 400 rather than silently ignored: a
-penalty would have to be applied along every tree node's own path during
-verification to stay lossless, which the engine does not do yet.
+presence_penalty and frequency_penalty (range-checked by the protocol) go to the
+engine, which applies them along every tree node's own path, so they stay
+lossless with Medusa. repetition_penalty, logit_bias, tools, structured output
+and `suffix` are refused with a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -98,12 +98,8 @@ def _job(kind: str, req: _SamplingRequest, prompts: list[list[int]], params: Sam
 
 
 def _refuse_unsupported(req: _SamplingRequest) -> None:
-    why = "penalties are not applied during tree verification yet"
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise unsupported(name, why)
     if req.repetition_penalty not in (None, 1.0):
-        raise unsupported("repetition_penalty", why)
+        raise unsupported("repetition_penalty", "only presence_penalty and frequency_penalty are implemented")
     if req.logit_bias:
         raise unsupported("logit_bias", "logit bias is not implemented")
 
@@ -149,6 +145,7 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
             seed=None if req.seed is None else req.seed % 2**64,  # the sampler wants a non-negative seed
             stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=bool(req.ignore_eos), n=req.n or 1, logprobs=logprobs,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             speculative=req.speculative is not False)
     except ValueError as err:  # e.g. min_tokens > max_tokens
         raise bad_request(str(err)) from None

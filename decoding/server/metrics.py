@@ -17,7 +17,8 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from medusa.decoding.engine import LLMEngine, RequestOutput
+from medusa.decoding.engine import LLMEngine
+from medusa.decoding.outputs import RequestOutput
 
 disable_created_metrics()  # the *_created series only add noise to every counter (vLLM drops them too)
 

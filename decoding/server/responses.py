@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 
 from medusa.decoding.async_engine import AsyncLLMEngine
-from medusa.decoding.engine import RequestOutput, TokenLogprob
+from medusa.decoding.outputs import RequestOutput, TokenLogprob
 from medusa.decoding.server import protocol as p
 from medusa.decoding.server.errors import APIError
 from medusa.decoding.server.jobs import Job

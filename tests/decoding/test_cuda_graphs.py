@@ -41,7 +41,7 @@ def test_graph_engine_matches_batch1_plain_greedy(default_model_dir):
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
-def test_graph_engine_sampling_rows_take_the_host_path(default_model_dir):
+def test_graph_engine_seeded_sampling_is_batch_invariant(default_model_dir):
     model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
     prompt = model.encode([{"role": "user", "content": "Write a haiku about the sea."}])
     seeded = SamplingParams(max_tokens=32, temperature=0.8, seed=7)

@@ -9,9 +9,11 @@ def engine_with_costs(costs, prior):
     model, heads = tiny_decoder(24, logit_scale=3, num_heads=4)
     engine = LLMEngine(model, heads)
     trees = {t.num_nodes: t for t in engine.scheduler.trees}
-    engine._step_cost = {b: {trees[n]: c for n, c in row.items()} for b, row in costs.items()}
-    engine._prior = {trees[n]: e for n, e in prior.items()}
-    engine.scheduler.policy = engine._measured_tree
+    for bucket, row in costs.items():
+        for n, seconds in row.items():
+            engine.policy.add_cost(bucket, trees[n], seconds)
+    engine.policy.prior = {trees[n]: e for n, e in prior.items()}
+    engine.scheduler.policy = engine.policy.choose  # on the CPU the bucket is the batch size
     return engine, trees
 
 
@@ -27,14 +29,14 @@ def test_observed_acceptance_overrides_an_optimistic_prediction():
     costs = {1: {1: 1.0, 4: 1.05, 64: 1.3}}
     engine, trees = engine_with_costs(costs, {1: 1.0, 4: 1.6, 64: 2.5})
     assert engine.scheduler.tree_for(1) is trees[64]
-    engine._observed[trees[64]] = (1100, 1000)  # really 1.1 tokens per step: not worth 1.3x the cost
+    engine.policy.observe(trees[64], 1100, 1000)  # really 1.1 tokens per step: not worth 1.3x the cost
     assert engine.scheduler.tree_for(1) is trees[4]
-    engine._observed[trees[4]] = (1000, 1000)  # and nothing accepted at all: plain decoding wins
+    engine.policy.observe(trees[4], 1000, 1000)  # and nothing accepted at all: plain decoding wins
     assert engine.scheduler.tree_for(1) is trees[1]
 
 
 def test_decode_steps_record_what_each_tree_emitted():
     engine, trees = engine_with_costs({1: {1: 1.0, 4: 1.0}}, {1: 1.0, 4: 3.0})
     out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=12))[0]
-    emitted, steps = engine._observed[trees[4]]
+    emitted, steps = engine.policy.observed[trees[4]]
     assert steps == out.stats.steps and emitted == sum(out.stats.accepted_lengths)

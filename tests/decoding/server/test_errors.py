@@ -58,8 +58,10 @@ BAD = [
     (CHAT, chat(seed=2**70), 400, "seed"),
     (CHAT, chat(stream="yes"), 400, "stream"),
     (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
-    (CHAT, chat(presence_penalty=0.5), 400, "presence_penalty"),
+    (CHAT, chat(presence_penalty=-2.5), 400, "presence_penalty"),
     (CHAT, chat(frequency_penalty=3), 400, "frequency_penalty"),
+    (CHAT, chat(presence_penalty="1"), 400, "presence_penalty"),
+    (CHAT, chat(repetition_penalty=1.2), 400, "repetition_penalty"),
     (CHAT, chat(logprobs=5), 400, "logprobs"),
     (CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
@@ -80,6 +82,8 @@ BAD = [
     (COMP, comp(echo=True, logprobs=1), 400, "echo"),
     (COMP, comp(suffix="x"), 400, "suffix"),
     (COMP, comp(best_of=3), 400, "best_of"),
+    (COMP, comp(frequency_penalty=2.001), 400, "frequency_penalty"),
+    (COMP, comp(presence_penalty=-7), 400, "presence_penalty"),
     (COMP, comp(model="nope"), 404, "model"),
 ]
 
@@ -117,6 +121,26 @@ def test_server_keeps_serving_and_ignores_unknown_fields(tiny_client):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     assert_error(tiny_client.get("/v1/nothing"), 404)
     assert_error(tiny_client.get(CHAT), 405)
+
+
+def test_penalties_are_served(tiny_client):
+    """presence / frequency penalties in [-2, 2] (ints too) run; the engine applies them per tree node."""
+    for path, body in [(CHAT, chat(presence_penalty=0.5, frequency_penalty=-1.5, temperature=0)),
+                       (CHAT, chat(presence_penalty=2, frequency_penalty=-2, stream=True)),
+                       (COMP, comp(frequency_penalty=1, seed=3))]:
+        resp = post(tiny_client, path, body)
+        assert resp.status_code == 200, resp.text
+
+
+def test_penalties_reach_the_engine(tiny_model):
+    from medusa.decoding.server.jobs import chat_job, completion_job
+    from medusa.decoding.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    req = ChatCompletionRequest.model_validate_json(json.dumps(chat(presence_penalty=0.5, frequency_penalty=-1)))
+    params = chat_job(req, tiny_model, 96).params
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0) and params.has_penalties
+    params = completion_job(CompletionRequest.model_validate_json(json.dumps(comp())), tiny_model, 96).params
+    assert (params.presence_penalty, params.frequency_penalty) == (0.0, 0.0) and not params.has_penalties
 
 
 def test_api_key(tiny_model):

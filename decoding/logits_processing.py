@@ -1,0 +1,55 @@
+"""Per-request changes to the base logits before a verdict: the min_tokens EOS ban and penalties.
+
+Both work on every node of a tree at once: node i's logits predict output
+number num_output_tokens + depth(i), after the text of node i's path. Logprobs
+are always reported from the raw logits, before these changes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.sampling_params import SamplingParams
+
+
+def suppress_eos(params: SamplingParams, produced: int, banned: Sequence[int], logits: torch.Tensor,
+                 depths: torch.Tensor) -> torch.Tensor:
+    """Before min_tokens outputs, EOS / stop tokens may not be chosen at any node.
+
+    logits [N, V]; depths [N]: node i's target is output number
+    produced + depths[i] (the pending root counts as output).
+    """
+    if params.ignore_eos or not banned or produced + int(depths.min()) >= params.min_tokens:
+        return logits
+    rows = (produced + depths < params.min_tokens).nonzero().squeeze(-1)
+    logits = logits.clone()
+    logits[rows[:, None], torch.tensor(list(banned), device=logits.device)[None, :]] = float("-inf")
+    return logits
+
+
+def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Tensor,
+             tree: DeviceTree | None = None, candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """OpenAI presence / frequency penalties at every tree node, each from its own text.
+
+    logits [N, V] at the nodes of `tree` (candidates [N], root first), or [1, V]
+    at the last token with no tree. Row i predicts the token after node i, so
+    its counts are those of the output so far (output_ids, which already ends
+    with the pending root, node 0) plus node i's path below the root: every
+    ancestor at depth >= 1 *and node i itself*, all of which precede the
+    predicted token. Each node then sees exactly the logits plain decoding would
+    see had it emitted that path, so greedy equals plain greedy and sampling
+    stays lossless. Prompt tokens never count (vLLM's semantics). Returns
+    float32 logits (a new tensor) when a penalty is set.
+    """
+    if not params.has_penalties:
+        return logits
+    num_nodes, vocab = logits.shape
+    output = torch.tensor(list(output_ids), dtype=torch.long, device=logits.device)
+    counts = torch.bincount(output, minlength=vocab).float()[None].repeat(num_nodes, 1)  # [N, V]
+    if tree is not None and num_nodes > 1:
+        on_path = tree.mask[:, 1:].float()  # [N, N - 1]: node j >= 1 is node i's ancestor-or-self
+        counts.scatter_add_(1, candidates[1:].expand(num_nodes, -1), on_path)
+    return logits.float() - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()

@@ -1,0 +1,47 @@
+"""What the engine reports: per-request outputs, their logprobs, and statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    steps: int = 0  # verification steps
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0  # drafted tokens the base agreed with
+    accepted_per_depth: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted by each verification step
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1 + self.accepted_tokens / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks referenced
+    totals: RequestStats  # drafted / accepted tokens over every finished and running request
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # of the base model's raw distribution (no temperature, penalties or min_tokens ban)
+    top: list[tuple[int, float]]  # the most likely alternatives, best first
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    token_ids: list[int]  # all output tokens so far
+    text: str
+    stats: RequestStats
+    index: int = 0  # which of the request's n completions
+    new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when asked for
