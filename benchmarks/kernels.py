@@ -25,6 +25,7 @@ from medusa.config import ModelConfig
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.kernels.paged_attention import paged_attention_reference
 from medusa.loading import empty_model
+from plotting import pyplot
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "smollm2-135m": (576, 1536, 30, 9, 3, 49152),
@@ -146,12 +147,8 @@ def _step_metadata(batch: int, tree: int, context: int, device) -> StepMetadata:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     att = results["attention"]

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from medusa.default_model import DEFAULT_SYSTEM_PROMPT
 from medusa.training.data import DATA_DIR
+from plotting import pyplot
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_BENCH = DATA_DIR / "spec_bench.jsonl"
@@ -253,13 +254,8 @@ def environment(log_path: Path | None) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for mode, _ in MODES:

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.medusa_model import MedusaModel
 from medusa.training.data import DATA_DIR
+from plotting import pyplot
 
 SPEC_BENCH = DATA_DIR / "spec_bench.jsonl"
 
@@ -94,13 +95,8 @@ def summarise(records: list[dict]) -> dict:
 
 
 def plot(summary: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     cats = [c for c in summary["categories"]]
     fig, ax = plt.subplots(figsize=(10, 4))

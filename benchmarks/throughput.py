@@ -30,6 +30,7 @@ from medusa.decoding.scheduler import SchedulerConfig
 from medusa.heads import HeadsConfig, MedusaHeads
 from medusa.loading import empty_model
 from medusa.training.data import DATA_DIR
+from plotting import pyplot
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "llama-3.2-1b": (2048, 8192, 16, 32, 8, 128256),
@@ -118,12 +119,8 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.8), squeeze=False)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from engine_driver import run_staggered
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.medusa_model import MedusaModel
 from medusa.training.data import DATA_DIR
@@ -26,15 +27,7 @@ def test_graph_engine_matches_batch1_plain_greedy(default_model_dir):
     engine = model.engine()
     assert engine.runner.decode.use_graphs
     engine.warmup()
-    ids, done, pending = {}, {}, list(range(len(prompts)))
-    while pending or engine.has_unfinished():
-        for _ in range(3):  # staggered arrivals: the batch bucket changes from step to step
-            if pending:
-                i = pending.pop(0)
-                ids[engine.add_request(prompts[i], params[i])] = i
-        for out in engine.step():
-            if out.finished:
-                done[ids[out.request_id]] = out
+    done = run_staggered(engine, prompts, params)  # the batch bucket changes from step to step
     for i, ref in enumerate(references):
         assert done[i].token_ids == ref, i
     assert sum(d.stats.accepted_tokens for d in done.values()) > 0

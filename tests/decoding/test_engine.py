@@ -9,6 +9,7 @@ from medusa.decoding.sampler import SamplingConfig
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import SchedulerConfig
 from medusa.tree import TreeSpec
+from engine_driver import random_prompts, run_staggered, single_thread
 from tiny_models import tiny_decoder
 
 VOCAB = 24
@@ -16,16 +17,12 @@ VOCAB = 24
 
 @pytest.fixture(scope="module")
 def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # ops this small run far slower when threads contend
-    yield tiny_decoder(VOCAB, logit_scale=3, num_heads=4)
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield tiny_decoder(VOCAB, logit_scale=3, num_heads=4)
 
 
 def prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(VOCAB, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return random_prompts(n, VOCAB, 40, seed)
 
 
 def batch1(model, prompt, max_tokens):
@@ -41,18 +38,8 @@ def make_engine(model, heads, **kw):
     return LLMEngine(model, heads, EngineConfig(scheduler=sched, **kw))
 
 
-def run_staggered(engine, ps, max_tokens):
-    """Submit a few requests per step, as a server would."""
-    ids, done, pending = {}, {}, list(enumerate(ps))
-    while pending or engine.has_unfinished():
-        for _ in range(3):
-            if pending:
-                i, p = pending.pop(0)
-                ids[engine.add_request(p, SamplingParams(max_tokens=max_tokens[i]))] = i
-        for out in engine.step():
-            if out.finished:
-                done[ids[out.request_id]] = out
-    return done
+def staggered(engine, ps, max_tokens):
+    return run_staggered(engine, ps, [SamplingParams(max_tokens=m) for m in max_tokens])
 
 
 def test_batched_medusa_equals_batch1_plain_greedy(tiny):
@@ -60,7 +47,7 @@ def test_batched_medusa_equals_batch1_plain_greedy(tiny):
     ps = prompts(12)
     max_tokens = [5 + 7 * (i % 4) for i in range(12)]
     engine = make_engine(model, heads, num_blocks=400, block_size=4, max_num_batched_tokens=512, max_tree_tokens=400)
-    done = run_staggered(engine, ps, max_tokens)
+    done = staggered(engine, ps, max_tokens)
     for i, p in enumerate(ps):
         assert done[i].token_ids == batch1(model, p, max_tokens[i]), i
         assert done[i].finish_reason == "length"
@@ -90,7 +77,7 @@ def test_preemption_keeps_outputs_and_frees_everything(tiny):
         return out
 
     engine.scheduler.schedule = spy
-    done = run_staggered(engine, ps, max_tokens)
+    done = staggered(engine, ps, max_tokens)
     assert preempted, "the pool was meant to be too small"
     for i, p in enumerate(ps):
         assert done[i].token_ids == batch1(model, p, 30)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from engine_driver import run_staggered
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.medusa_model import MedusaModel
 from medusa.training.data import DATA_DIR
@@ -23,15 +24,7 @@ def test_32_staggered_requests_match_batch1_plain_greedy(default_model_dir):
                   for p, sp in zip(prompts, params)]
 
     engine = model.engine()
-    ids, done, pending = {}, {}, list(range(32))
-    while pending or engine.has_unfinished():
-        for _ in range(4):  # four new requests join every step
-            if pending:
-                i = pending.pop(0)
-                ids[engine.add_request(prompts[i], params[i])] = i
-        for out in engine.step():
-            if out.finished:
-                done[ids[out.request_id]] = out
+    done = run_staggered(engine, prompts, params, per_step=4)
     for i, ref in enumerate(references):
         assert done[i].token_ids == ref.token_ids, i
         assert done[i].text == ref.text and done[i].finish_reason == ref.finish_reason

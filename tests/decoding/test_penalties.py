@@ -7,6 +7,7 @@ import torch
 from medusa.attention import CausalAttention
 from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
+from engine_driver import random_prompts, single_thread
 from tiny_models import tiny_decoder
 
 VOCAB = 12  # small, so penalties bite often and the heads' drafts still get accepted
@@ -15,16 +16,12 @@ PENALTIES = [(0.0, 0.7), (0.9, 0.0), (0.4, 0.3), (-0.5, 0.0), (0.0, -0.6), (2.0,
 
 @pytest.fixture(scope="module")
 def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # ops this small run far slower when threads contend
-    yield tiny_decoder(VOCAB, logit_scale=3, num_heads=4)
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield tiny_decoder(VOCAB, logit_scale=3, num_heads=4)
 
 
 def prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(VOCAB, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return random_prompts(n, VOCAB, 12, seed)
 
 
 def penalized(logits, output, presence, frequency):

@@ -1,0 +1,36 @@
+"""Helpers for engine tests: one thread for tiny ops, random prompts, staggered submission."""
+
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def single_thread():
+    """Ops as small as a tiny model's run far slower when threads contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def random_prompts(n: int, vocab: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(vocab, (int(torch.randint(1, max_len, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def run_staggered(engine, prompts, params, per_step: int = 3) -> dict:
+    """Submit `per_step` new requests every step, as a server would -> {prompt index: final output}."""
+    ids, done, pending = {}, {}, list(range(len(prompts)))
+    while pending or engine.has_unfinished():
+        for _ in range(per_step):
+            if pending:
+                i = pending.pop(0)
+                ids[engine.add_request(prompts[i], params[i])] = i
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.request_id]] = out
+    return done
