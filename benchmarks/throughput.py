@@ -87,7 +87,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     if name == "default":
         m, prompts = default_model(device, dtype)
         base, heads, tokenizer, eos = m.base, m.heads, m.tokenizer, sorted(m.eos_token_ids)
-        config = m._engine_config()
+        config = m.engine_config()
         params = SamplingParams(max_tokens=args.max_tokens)
     else:
         base, heads, tokenizer = random_model(name, device, dtype)

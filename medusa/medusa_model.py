@@ -165,11 +165,11 @@ class MedusaModel:
         """The continuous-batching engine over this model (built once per mode)."""
         key = speculative and self.heads is not None
         if key not in self._engines:
-            self._engines[key] = LLMEngine(self.base, self.heads if key else None, self._engine_config(),
+            self._engines[key] = LLMEngine(self.base, self.heads if key else None, self.engine_config(),
                                            self.tokenizer, sorted(self.eos_token_ids))
         return self._engines[key]
 
-    def _engine_config(self) -> EngineConfig:
+    def engine_config(self) -> EngineConfig:
         """Candidate trees for the engine: searched for the heads' measured accuracies
         when they carry them (the heads' own tree as the largest), else the named ones."""
         if self.heads is None:

@@ -13,6 +13,7 @@ same engine from two event loops.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 from contextlib import asynccontextmanager
@@ -53,7 +54,11 @@ class ServerState:
         key = speculative and self.model.heads is not None
         if key not in self.engines:
             m = self.model
-            llm = LLMEngine(m.base, m.heads if key else None, self.engine_config, m.tokenizer, sorted(m.eos_token_ids))
+            # Medusa gets the trees searched for its heads' accuracies; the server's config the rest
+            config = dataclasses.replace(self.engine_config, trees=m.engine_config().trees) if key \
+                else self.engine_config
+            llm = LLMEngine(m.base, m.heads if key else None, config, m.tokenizer, sorted(m.eos_token_ids))
+            log.info("engine (speculative=%s): tree per batch bucket %s", key, llm.warmup() or "by token budget")
             self.engines[key] = AsyncLLMEngine(llm)
         return self.engines[key]
 
