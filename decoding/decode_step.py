@@ -19,6 +19,7 @@ the engine leases a row to each decoding sequence.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,23 +170,19 @@ class DecodeStep:
         """
         self.capture(tree, padded)
         n, width = tree.num_nodes, self.tables.shape[1]
-        saved = [t.clone() for t in (self.rows, self.kv_lens, self.query_start, self.slots, self.tables)]
-        self.rows.fill_(self.padding_row)
-        self.slots.fill_(self.scratch_slot)
-        self.kv_lens[:padded] = min(context, (width - 1) * self.cache.block_size) + n
-        self.query_start[: padded + 1] = torch.arange(padded + 1, device=self.device) * n
-        self.tables.copy_(torch.arange(self.tables.numel(), device=self.device).view_as(self.tables) % num_blocks)
         graphs, times = self._graphs[(padded, tree.spec, False)], []
-        for _ in range(repeats + 1):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphs["g1"].replay()
-            graphs["g2"].replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        for buffer, value in zip((self.rows, self.kv_lens, self.query_start, self.slots, self.tables), saved):
-            buffer.copy_(value)
+        with self._padding_inputs():
+            self.kv_lens[:padded] = min(context, (width - 1) * self.cache.block_size) + n
+            self.query_start[: padded + 1] = torch.arange(padded + 1, device=self.device) * n
+            self.tables.copy_(torch.arange(self.tables.numel(), device=self.device).view_as(self.tables) % num_blocks)
+            for _ in range(repeats + 1):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graphs["g1"].replay()
+                graphs["g2"].replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
         return sorted(times[1:])[repeats // 2]
 
     def forward(self, tree: DeviceTree, padded: int) -> _Part1:
@@ -262,25 +259,35 @@ class DecodeStep:
     @torch.inference_mode()
     def _capture(self, tree: DeviceTree, padded: int, sampling: bool) -> dict:
         """Warm up on an all-padding batch (touches only the scratch slot and padding row), then capture."""
-        saved = [t.clone() for t in (self.rows, self.kv_lens, self.query_start, self.slots)]
+        with self._padding_inputs():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._part2(tree, padded, self._part1(tree, padded, sampling))
+            torch.cuda.current_stream().wait_stream(stream)
+            g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g1, pool=self._pool):
+                part1 = self._part1(tree, padded, sampling)
+            with torch.cuda.graph(g2, pool=self._pool):
+                packed = self._part2(tree, padded, part1)
+        return {"g1": g1, "g2": g2, "part1": part1, "packed": packed}
+
+    @contextmanager
+    def _padding_inputs(self):
+        """Inside: an all-padding batch (no sequence's KV or state row is touched); the prepared
+        inputs come back afterwards."""
+        buffers = (self.rows, self.kv_lens, self.query_start, self.slots, self.tables)
+        saved = [t.clone() for t in buffers]
         self.rows.fill_(self.padding_row)
         self.kv_lens.zero_()
         self.query_start.zero_()
         self.slots.fill_(self.scratch_slot)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._part2(tree, padded, self._part1(tree, padded, sampling))
-        torch.cuda.current_stream().wait_stream(stream)
-        g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g1, pool=self._pool):
-            part1 = self._part1(tree, padded, sampling)
-        with torch.cuda.graph(g2, pool=self._pool):
-            packed = self._part2(tree, padded, part1)
-        for buffer, value in zip((self.rows, self.kv_lens, self.query_start, self.slots), saved):
-            buffer.copy_(value)
-        return {"g1": g1, "g2": g2, "part1": part1, "packed": packed}
+        try:
+            yield
+        finally:
+            for buffer, value in zip(buffers, saved):
+                buffer.copy_(value)
 
     def _put(self, buffer: torch.Tensor, values: np.ndarray) -> None:
         buffer[: len(values)].copy_(torch.from_numpy(values), non_blocking=False)

@@ -368,11 +368,20 @@ def _tree_label(tree: TreeSpec) -> str:
 
 
 def stream(engine: LLMEngine, prompt: str | Seq[int], params: SamplingParams = SamplingParams()):
-    """Drive `engine` until one new request finishes, yielding its outputs as they come."""
+    """Drive `engine` until one new request finishes, yielding its outputs as they come.
+
+    If the caller stops iterating early, the request is aborted so its KV blocks are freed.
+    """
     rid = engine.add_request(prompt, params)
-    while True:
-        for out in engine.step():
-            if out.request_id == rid and out.index == 0:
-                yield out
-                if out.finished:
-                    return
+    finished = False
+    try:
+        while not finished:
+            for out in engine.step():
+                if out.request_id == rid and out.index == 0:
+                    finished = out.finished
+                    yield out
+                    if finished:
+                        return
+    finally:
+        if not finished:
+            engine.abort(rid)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from medusa.config import ModelConfig
-from medusa.kernels.paged_attention import move_kv_reference, paged_attention_reference, write_kv_reference
+from medusa.kernels.paged_attention import paged_attention_reference, write_kv_reference
 
 
 @dataclass(frozen=True)
@@ -64,19 +64,6 @@ class PagedKVCache:
         """KV rows src -> dst [n] in every layer, gathering first (graph-safe: no host sync, any overlap)."""
         self.k[:, dst_slots] = self.k[:, src_slots]
         self.v[:, dst_slots] = self.v[:, src_slots]
-
-    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Compact accepted tree tokens into consecutive slots, in every layer at once."""
-        if not src_slots.numel():
-            return
-        if self.use_triton:
-            from medusa.kernels.paged_attention_triton import move_kv_triton
-
-            for layer in range(self.k.shape[0]):
-                move_kv_triton(self.k[layer], self.v[layer], src_slots, dst_slots)
-            return
-        for layer in range(self.k.shape[0]):
-            move_kv_reference(self.k[layer], self.v[layer], src_slots, dst_slots)
 
 
 def _triton_available() -> bool:

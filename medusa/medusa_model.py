@@ -17,7 +17,7 @@ import torch
 from medusa.adapter import has_adapter, merge_lora
 from medusa.chat import chat_prompt_ids
 from medusa.decoding.detokenizer import IncrementalDetokenizer
-from medusa.decoding.engine import EngineConfig, LLMEngine
+from medusa.decoding.engine import EngineConfig, LLMEngine, stream
 from medusa.decoding.generator import TreeDecoder
 from medusa.decoding.sampler import SamplingConfig
 from medusa.decoding.sampling_params import SamplingParams
@@ -142,20 +142,11 @@ class MedusaModel:
         return self.base.embed_tokens.weight.is_cuda and not pinned and acceptance == "auto"
 
     def _run_engine(self, prompt_ids: list[int], params: SamplingParams, speculative: bool):
-        engine = self.engine(speculative)
         start = time.perf_counter()
-        rid = engine.add_request(prompt_ids, params)
         last = None
-        try:
-            while last is None or not last.finished:
-                for out in engine.step():
-                    if out.request_id == rid:
-                        last = out
-                        if out.new_text:
-                            yield out.new_text
-        finally:
-            if last is None or not last.finished:
-                engine.abort(rid)  # the caller stopped iterating: free the request's KV
+        for last in stream(self.engine(speculative), prompt_ids, params):  # aborts if the caller stops early
+            if last.new_text:
+                yield last.new_text
         seconds = time.perf_counter() - start
         return GenerationResult(text=last.text, token_ids=list(last.token_ids), finish_reason=last.finish_reason,
                                 prompt_tokens=len(prompt_ids), accepted_lengths=list(last.stats.accepted_lengths),

@@ -86,6 +86,16 @@ def test_sync_stream_yields_until_finished(tiny):
     assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids
 
 
+def test_sync_stream_abandoned_early_aborts_its_request(tiny):
+    model, heads = tiny
+    engine = LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4))
+    outputs = stream(engine, [1, 2, 3], SamplingParams(max_tokens=50))
+    first = next(outputs)
+    assert not first.finished
+    outputs.close()  # the caller stops iterating
+    assert not engine.has_unfinished() and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
 def test_n_completions_stream_to_the_end_and_step_errors_reach_consumers(tiny):
     model, heads = tiny
     engine = LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4))
