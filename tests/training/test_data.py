@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -127,7 +128,8 @@ def test_unknown_columns_missing_file_and_spec_bench(tmp_path):
 
 
 def test_default_sources_load():
-    assert DATA_DIR == Path(__file__).resolve().parents[3] / "shared" / "data"
+    beside_repo = Path(__file__).resolve().parents[3] / "shared" / "data"
+    assert DATA_DIR == Path(os.environ.get("MEDUSA_DATA_DIR") or beside_repo)  # the env var overrides
     assert default_sources() == list(DEFAULT_SOURCES)
     gsm8k, seed_tasks, user_oriented = (load_conversations(p) for p in DEFAULT_SOURCES)
     assert len(gsm8k) == 7473 and gsm8k[0][0]["content"].startswith("Natalia sold clips")
