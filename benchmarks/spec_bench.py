@@ -8,6 +8,12 @@ Writes results.json (per category and overall: tokens/s of each system, Medusa's
 speedup over plain and over HF, mean accepted length, how many greedy outputs
 were identical) and, when matplotlib is installed, speedup.png. All systems run
 in the same process on the same weights, so the ratios are side by side.
+
+Medusa-2 heads carry a LoRA adapter that is merged into the base. For them the
+script also decodes every turn with the original base and reports the adapter's
+drift: the share of the original's greedy tokens that the adapted base, fed the
+same text, still predicts (teacher-forced argmax agreement), and how many turns
+came out identical.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from medusa.adapter import has_adapter
+from medusa.attention import CausalAttention
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.medusa_model import MedusaModel
 from medusa.training.data import DATA_DIR
@@ -54,8 +62,29 @@ def run_ours(model: MedusaModel, question: dict, max_new_tokens: int, speculativ
         messages.append({"role": "assistant", "content": out.text})
         # accepted length: tokens per verification step (the prefill's first token is not one)
         turns.append({"tokens": len(out.token_ids), "seconds": seconds, "steps": out.stats.steps,
-                      "emitted": sum(out.stats.accepted_lengths), "ids": list(out.token_ids)})
+                      "emitted": sum(out.stats.accepted_lengths), "ids": list(out.token_ids), "prompt": ids})
     return turns
+
+
+@torch.inference_mode()
+def agreement(model: MedusaModel, prompt_ids: list[int], ids: list[int]) -> int:
+    """How many of `ids` (another model's greedy continuation of prompt_ids) this model's argmax predicts too."""
+    if not ids:
+        return 0
+    device = model.base.embed_tokens.weight.device
+    seq = torch.tensor(prompt_ids + ids, device=device)  # [T]
+    hidden = model.base(seq, torch.arange(len(seq), device=device), CausalAttention())  # [T, H]
+    predicted = model.base.compute_logits(hidden[len(prompt_ids) - 1 : -1]).argmax(-1)  # [len(ids)]
+    return int((predicted == seq[len(prompt_ids):]).sum())
+
+
+def drift(model: MedusaModel, reference: MedusaModel, question: dict, max_new_tokens: int, ours: list[dict]) -> dict:
+    """The adapted base (its plain turns `ours`) against the original: agreeing tokens, identical turns."""
+    ref_turns = run_ours(reference, question, max_new_tokens, False)
+    return {"tokens": sum(t["tokens"] for t in ref_turns),
+            "agreeing": sum(agreement(model, t["prompt"], t["ids"]) for t in ref_turns),
+            "identical_turns": sum(a["ids"] == b["ids"] for a, b in zip(ref_turns, ours)),
+            "turns": len(ref_turns)}
 
 
 def _sync() -> None:
@@ -88,6 +117,12 @@ def summarise(records: list[dict]) -> dict:
            "speedup_vs_plain": medusa / plain if plain else None,
            "mean_accepted_length": tokens / max(steps, 1),
            "identical_greedy_turns": sum(a == b for a, b in pairs), "turns": len(pairs)}
+    drifts = [r["drift"] for r in records if r.get("drift")]
+    if drifts:
+        agreeing, total = sum(d["agreeing"] for d in drifts), sum(d["tokens"] for d in drifts)
+        out["adapter_drift"] = {"token_agreement": agreeing / max(total, 1), "tokens": total,
+                                "identical_turns": sum(d["identical_turns"] for d in drifts),
+                                "turns": sum(d["turns"] for d in drifts)}
     if hf_records:
         hf_rate = sum(r["hf"]["tokens"] for r in hf_records) / sum(r["hf"]["seconds"] for r in hf_records)
         out.update(hf_tok_s=hf_rate, hf_questions=len(hf_records), speedup_vs_hf=medusa / hf_rate)
@@ -129,6 +164,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model = MedusaModel.from_pretrained(args.model, heads=args.heads)
     hf = _load_hf(model) if args.hf_per_category else None
+    # Medusa-2: the original base, to measure how far the merged adapter moved the outputs
+    reference = MedusaModel.from_pretrained(args.model) if args.heads and has_adapter(args.heads) else None
     questions = load_questions(Path(args.data), args.per_category)[: args.limit]
     model.engine(False).warmup()  # captures the CUDA graphs before anything is timed
     policy = model.engine(True).warmup()  # and measures which tree each batch size gets
@@ -139,6 +176,8 @@ def main() -> None:
         if hf is not None and hf_taken[q["category"]] < args.hf_per_category:
             hf_taken[q["category"]] += 1
             rec["hf"] = run_hf(hf, model, q, args.max_new_tokens)
+        if reference is not None:
+            rec["drift"] = drift(model, reference, q, args.max_new_tokens, rec["plain"])
         records.append(rec)
     by_cat = defaultdict(list)
     for r in records:

@@ -26,6 +26,26 @@ def test_spec_bench_quick(default_model_dir, tmp_path):
     assert len(results["categories"]) == 4
 
 
+def test_spec_bench_reports_adapter_drift(default_model_dir, tmp_path):
+    """A Medusa-2 heads folder with a LoRA whose B is zero changes nothing: full agreement, identical turns."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from medusa import default_model
+
+    heads = tmp_path / "heads"
+    shutil.copytree(default_model.default_heads_path(), heads)
+    name = "layers.0.mlp.down_proj"
+    save_file({f"{name}.lora_A.weight": torch.randn(4, 1536), f"{name}.lora_B.weight": torch.zeros(576, 4)},
+              str(heads / "adapter.safetensors"))
+    (heads / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["down_proj"]}))
+    drift = run("spec_bench.py", tmp_path / "out", "--heads", str(heads))["overall"]["adapter_drift"]
+    assert drift["tokens"] > 0 and drift["token_agreement"] == 1.0
+    assert drift["identical_turns"] == drift["turns"] >= 4
+
+
 def test_kernels_quick(tmp_path):
     results = run("kernels.py", tmp_path)
     assert [r["context"] for r in results["attention"]] == [64, 128]
