@@ -15,6 +15,7 @@ free finished sequences.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
@@ -220,6 +221,7 @@ class LLMEngine:
 
     def _decode(self, seqs: list[Sequence], tree: DeviceTree) -> list[RequestOutput]:
         """One batched verification step for every decoding sequence."""
+        start = time.perf_counter()
         step = self.runner.decode
         requests = [self.requests[seq.request_id] for seq in seqs]
         sampling = [self._row_sampling(r, tree) for r in requests]
@@ -236,6 +238,8 @@ class LLMEngine:
             if not seq.is_finished:
                 self.blocks.commit(seq, count)
             outputs.append(self._output(request, emitted))
+        if padded in self.policy.step_cost:  # the measured policy is on: it learns what steps really cost
+            self.policy.observe_step(padded, tree.spec, time.perf_counter() - start)
         return outputs
 
     def _verify_on_host(self, requests: list[_Request], tree: DeviceTree, part1) -> None:

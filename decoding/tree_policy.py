@@ -8,6 +8,20 @@ where the device says speculation stops paying. The prediction is a prior: as
 the engine runs, each tree's accepted length moves to what it actually
 observes, so heads that do worse on real traffic than on their held-out data
 soon get smaller trees.
+
+The step cost is corrected the same way. A graph-timed step leaves out the
+host's work per step (scheduling, block bookkeeping, appending and
+detokenizing each emitted token), which grows with the batch and with the
+tokens a step emits: on an H200 a plain step of the default model took 1.08 ms
+as a graph but 1.52 ms in the engine, and a Medusa step 2.07 ms. So the engine
+reports every decode step's wall time, and once a tree has run a few steps at
+a batch size its measured wall time replaces the graph time there. A tree not
+yet run at that size is charged its graph time plus the host time measured
+there for trees of its kind (speculative or plain). Each batch size tries the
+plain step for a few steps too, so speculation is kept only where it beats
+plain decoding on the clock. While a batch size runs plain, its best
+speculative tree still gets one step in every REVISIT_STEPS, so a change of
+traffic (or a slow start) cannot switch speculation off for good.
 """
 
 from __future__ import annotations
@@ -15,6 +29,9 @@ from __future__ import annotations
 from medusa.tree import TreeSpec
 
 PRIOR_STEPS = 16  # how many observed sequence-steps the heads' prediction is worth
+TRIAL_STEPS = 4  # wall-timed steps a tree runs at a batch size before its own timing is trusted there
+WALL_EMA = 0.25  # weight of the newest step in a tree's running wall time
+REVISIT_STEPS = 200  # plain steps at a batch size before its best speculative tree runs one step again
 
 
 class TreePolicy:
@@ -22,6 +39,8 @@ class TreePolicy:
         self.prior: dict[TreeSpec, float] = {}  # predicted accepted length per tree
         self.step_cost: dict[int, dict[TreeSpec, float]] = {}  # bucket -> tree -> seconds per step
         self.observed: dict[TreeSpec, tuple[int, int]] = {}  # tree -> (tokens emitted, sequence-steps)
+        self.wall: dict[int, dict[TreeSpec, tuple[float, int]]] = {}  # bucket -> tree -> (seconds, steps)
+        self.plain_run: dict[int, int] = {}  # bucket -> plain steps since its last speculative one
 
     def add_prior(self, tree: TreeSpec, accuracies) -> bool:
         """Predict the tree's accepted length; False if the accuracies do not cover its heads or ranks."""
@@ -38,11 +57,41 @@ class TreePolicy:
         tokens, steps = self.observed.get(tree, (0, 0))
         self.observed[tree] = (tokens + emitted, steps + sequence_steps)
 
+    def observe_step(self, bucket: int, tree: TreeSpec, seconds: float) -> None:
+        """A decode step's wall time, host work included, at this (padded) batch size."""
+        mean, steps = self.wall.setdefault(bucket, {}).get(tree, (seconds, 0))
+        self.wall[bucket][tree] = (mean + WALL_EMA * (seconds - mean) if steps else seconds, steps + 1)
+        self.plain_run[bucket] = self.plain_run.get(bucket, 0) + 1 if tree.num_nodes == 1 else 0
+
+    def cost(self, bucket: int, tree: TreeSpec) -> float:
+        """Seconds per step: measured wall time once tried, else graph time plus its kind's host time."""
+        seconds, steps = self.wall.get(bucket, {}).get(tree, (0.0, 0))
+        if steps >= TRIAL_STEPS:
+            return seconds
+        return self.step_cost[bucket][tree] + self._host_seconds(bucket, tree.num_nodes > 1)
+
+    def _host_seconds(self, bucket: int, speculative: bool) -> float:
+        """Mean of (wall - graph) over the trees of this kind tried at this bucket; 0 before any."""
+        graph = self.step_cost[bucket]
+        extra = [seconds - graph[tree] for tree, (seconds, steps) in self.wall.get(bucket, {}).items()
+                 if steps >= TRIAL_STEPS and (tree.num_nodes > 1) == speculative and tree in graph]
+        return sum(extra) / len(extra) if extra else 0.0
+
     def expected_length(self, tree: TreeSpec) -> float:
         tokens, steps = self.observed.get(tree, (0, 0))
         return (self.prior[tree] * PRIOR_STEPS + tokens) / (PRIOR_STEPS + steps)
 
     def choose(self, bucket: int) -> TreeSpec:
-        """The tree with the most expected tokens per second at this (padded) batch size."""
-        costs = self.step_cost[bucket]
-        return max(costs, key=lambda tree: self.expected_length(tree) / costs[tree])
+        """The tree with the most expected tokens per second at this (padded) batch size,
+        after it and the plain step have each run TRIAL_STEPS timed steps there."""
+        trees = self.step_cost[bucket]
+        score = {tree: self.expected_length(tree) / self.cost(bucket, tree) for tree in trees}
+        best = max(trees, key=score.get)
+        plain = min(trees, key=lambda tree: tree.num_nodes)
+        for tree in (best, plain):
+            if self.wall.get(bucket, {}).get(tree, (0.0, 0))[1] < TRIAL_STEPS:
+                return tree
+        speculative = [tree for tree in trees if tree.num_nodes > 1]
+        if best is plain and speculative and self.plain_run.get(bucket, 0) >= REVISIT_STEPS:
+            return max(speculative, key=score.get)  # one step to refresh its acceptance and timing
+        return best

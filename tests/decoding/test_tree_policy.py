@@ -2,6 +2,7 @@
 
 from medusa.decoding.engine import LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
+from medusa.decoding.tree_policy import REVISIT_STEPS, TRIAL_STEPS
 from tiny_models import tiny_decoder
 
 
@@ -35,8 +36,48 @@ def test_observed_acceptance_overrides_an_optimistic_prediction():
     assert engine.scheduler.tree_for(1) is trees[1]
 
 
-def test_decode_steps_record_what_each_tree_emitted():
+def test_decode_steps_record_what_each_tree_emitted_and_took():
     engine, trees = engine_with_costs({1: {1: 1.0, 4: 1.0}}, {1: 1.0, 4: 3.0})
-    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=12))[0]
-    emitted, steps = engine.policy.observed[trees[4]]
-    assert steps == out.stats.steps and emitted == sum(out.stats.accepted_lengths)
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    observed = engine.policy.observed
+    assert sum(steps for _, steps in observed.values()) == out.stats.steps
+    assert sum(emitted for emitted, _ in observed.values()) == sum(out.stats.accepted_lengths)
+    wall = engine.policy.wall[1]  # every decode step's wall time, at batch size 1
+    assert sum(steps for _, steps in wall.values()) == out.stats.steps
+    assert wall[trees[4]][1] >= TRIAL_STEPS and wall[trees[1]][1] >= TRIAL_STEPS  # both were tried
+    assert all(seconds > 0 for seconds, _ in wall.values())
+
+
+def timed(policy, bucket, tree, seconds):
+    for _ in range(TRIAL_STEPS):
+        policy.observe_step(bucket, tree, seconds)
+
+
+def test_measured_wall_time_keeps_speculation_only_where_it_beats_plain_on_the_clock():
+    costs = {1: {1: 1.0, 4: 1.05, 64: 1.3}}  # graph times favour the trees
+    engine, trees = engine_with_costs(costs, {1: 1.0, 4: 1.6, 64: 2.5})
+    policy = engine.policy
+    assert engine.scheduler.tree_for(1) is trees[64]  # the graph's choice runs first...
+    timed(policy, 1, trees[64], 3.0)  # ...and the host makes its step cost 3.0, not 1.3
+    # the untried 4-node tree is charged its graph time plus the host time measured for trees
+    assert abs(policy.cost(1, trees[4]) - (1.05 + 1.7)) < 1e-9
+    assert engine.scheduler.tree_for(1) is trees[1]  # plain looks best now, and is tried
+    timed(policy, 1, trees[1], 1.2)
+    assert engine.scheduler.tree_for(1) is trees[1]  # 1 token / 1.2 beats 2.5 / 3.0 and 1.6 / 2.75
+    for _ in range(REVISIT_STEPS - TRIAL_STEPS - 1):
+        policy.observe_step(1, trees[1], 1.2)
+    assert engine.scheduler.tree_for(1) is trees[1]
+    policy.observe_step(1, trees[1], 1.2)  # a long plain run: the best tree gets one step to re-measure
+    assert engine.scheduler.tree_for(1) is trees[64]
+    timed(policy, 1, trees[64], 1.3)  # the running mean follows later steps: the host got faster
+    assert policy.wall[1][trees[64]][1] == 2 * TRIAL_STEPS and policy.cost(1, trees[64]) < 2.0
+    assert engine.scheduler.tree_for(1) is trees[64]  # 2.5 / <2.0 beats 1 / 1.2
+
+
+def test_a_wall_time_of_a_tree_is_kept_per_batch_size():
+    costs = {1: {1: 1.0, 4: 1.05}, 8: {1: 1.0, 4: 1.05}}
+    engine, trees = engine_with_costs(costs, {1: 1.0, 4: 1.6})
+    timed(engine.policy, 8, trees[4], 5.0)
+    timed(engine.policy, 8, trees[1], 1.0)
+    assert engine.scheduler.tree_for(8) is trees[1]
+    assert engine.scheduler.tree_for(1) is trees[4]  # batch 1 has its own (graph) costs
