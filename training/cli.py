@@ -3,7 +3,8 @@
     medusa-train train --config medusa1-smollm2 train.epochs=2 output_dir=out/run1
     medusa-train train --config medusa1-smollm2 --resume
     medusa-train eval --heads out/run1/heads --tree searched
-    accelerate launch -m medusa.training.cli train --config medusa1-smollm2
+    accelerate launch -m medusa.training.cli train --config medusa1-smollm2        # several GPUs
+    torchrun --standalone --nproc_per_node 2 -m medusa.training.cli train ...     # the same
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def _train(args) -> int:
     except TrainingDivergedError as err:
         print(f"medusa-train train: stopped: {err}", file=sys.stderr)
         return 3
+    if not summary:  # not the main process of a multi-process run: the main one reports
+        return 0
     if args.tree_name:
         from pathlib import Path
 

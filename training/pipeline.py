@@ -21,7 +21,7 @@ from medusa.training.trainer import Trainer
 from medusa.tree import TreeSpec
 
 
-def load_base(model: str | None, dtype: torch.dtype | None = None):
+def load_base(model: str | None, dtype: torch.dtype | None = None, device: torch.device | None = None):
     """(base model, tokenizer, model id, system prompt, EOS ids) for a path or the default model."""
     from transformers import AutoTokenizer
 
@@ -33,7 +33,7 @@ def load_base(model: str | None, dtype: torch.dtype | None = None):
         model_id = default_model.DEFAULT_MODEL_NAME
     else:
         path, model_id = Path(model), str(model)
-    base = load_base_model(path, dtype=dtype)
+    base = load_base_model(path, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     eos = set(base.config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     return base, tokenizer, model_id, system_prompt, sorted(eos)
@@ -45,26 +45,40 @@ def gather_conversations(config: TrainConfig) -> PromptPool:
 
 
 def run_training(config: TrainConfig, resume: bool = False, tree_name: str | None = None) -> dict:
+    """One process, or several under `accelerate launch` / `torchrun`: the main process distils
+    (the others then read its cache), every process trains on its share of the batches, and the
+    main process evaluates and saves. Returns the summary (the other processes get {})."""
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())
     output = Path(config.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    if state.is_main_process:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
     timings, start = {}, time.perf_counter()
-    base, tokenizer, model_id, system_prompt, eos = load_base(config.model)
-    pool = gather_conversations(config)
+    base, tokenizer, model_id, system_prompt, eos = load_base(config.model, device=state.device)
     cache = Path(config.data.cache_dir) if config.data.cache_dir else output / "distill"
-    train, heldout = self_distill(base, tokenizer, pool, model_id, config.data, cache, config.seed, system_prompt, eos)
+    with state.main_process_first():  # the others find the main process's data in the cache
+        pool = gather_conversations(config)
+        train, heldout = self_distill(base, tokenizer, pool, model_id, config.data, cache, config.seed,
+                                      system_prompt, eos)
     timings["distill_s"] = time.perf_counter() - start
     trainer = Trainer(config, base, train, base_name=model_id)
     trainer.train(resume=resume)
     timings["train_s"] = time.perf_counter() - start - timings["distill_s"]
+    if not state.is_main_process:
+        state.wait_for_everyone()
+        return {}
     heads = trainer.unwrapped_heads().float().eval()
     eval_base = _merged_student(trainer) if config.medusa2.enabled else base
     summary = finish_heads(eval_base, heads, heldout, config, output / "heads", tree_name)
     if config.medusa2.enabled:
         save_adapter(trainer.base, output / "heads")
     summary.update(timings, distill_sequences=len(train), distill_tokens=train.num_tokens,
-                   heldout_sequences=len(heldout), steps=trainer.state.step, history=trainer.state.history)
+                   heldout_sequences=len(heldout), steps=trainer.state.step, processes=state.num_processes,
+                   history=trainer.state.history)
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    state.wait_for_everyone()
     return summary
 
 

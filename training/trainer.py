@@ -58,7 +58,9 @@ class Trainer:
         precision = t.mixed_precision
         if precision == "auto":
             precision = "bf16" if torch.cuda.is_available() else "no"
-        self.accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=t.grad_accum)
+        # cpu=True on a machine without CUDA lets `torchrun`/`accelerate launch` run several CPU processes (gloo)
+        self.accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=t.grad_accum,
+                                       cpu=not torch.cuda.is_available())
         set_seed(config.seed)
         base = base.to(self.accelerator.device)
         self.heads = MedusaHeads(HeadsConfig(
@@ -88,9 +90,15 @@ class Trainer:
         t = self.config.train
         total = 0
         for epoch in range(t.epochs):  # batch counts differ a little between epochs
-            per_epoch = len(batch_plan(self.data, t.max_tokens_per_batch, self.config.seed, epoch))
-            total += math.ceil(math.ceil(per_epoch / self.accelerator.num_processes) / t.grad_accum)
+            per_epoch = self._batches_per_epoch(epoch) // self.accelerator.num_processes
+            total += math.ceil(per_epoch / t.grad_accum)
         return min(total, t.max_steps) if t.max_steps else total
+
+    def _batches_per_epoch(self, epoch: int) -> int:
+        """Batches this epoch uses: a multiple of the process count, so every process runs as many
+        backward passes (an extra one on one process would wait forever for the others' gradients)."""
+        planned = len(batch_plan(self.data, self.config.train.max_tokens_per_batch, self.config.seed, epoch))
+        return planned - planned % self.accelerator.num_processes
 
     # ---- the loop -----------------------------------------------------------
 
@@ -103,7 +111,10 @@ class Trainer:
         for epoch in range(self.state.epoch, t.epochs):
             skip = self.state.batch_in_epoch if epoch == self.state.epoch else 0
             self.state.epoch, self.state.batch_in_epoch = epoch, skip
+            used = self._batches_per_epoch(epoch)  # the last few batches of an epoch may be left out
             for index, batch in enumerate(batches(self.data, t.max_tokens_per_batch, self.config.seed, epoch, skip=skip)):
+                if skip + index >= used:
+                    break
                 self.state.batch_in_epoch = skip + index + 1
                 if (skip + index) % acc.num_processes != acc.process_index:
                     continue
@@ -123,18 +134,38 @@ class Trainer:
         with acc.accumulate(self.heads):
             with acc.autocast():
                 loss, metrics = self._loss(ids, mask)
-            if not torch.isfinite(loss):
+            if not self._finite_everywhere(loss):
                 raise TrainingDivergedError(
                     f"loss became {loss.item()} at step {self.state.step + 1} (epoch {self.state.epoch}); "
                     f"stopped before updating weights. Last good checkpoint: {self._latest_checkpoint()}. "
                     "Try a lower train.lr or train.max_grad_norm.")
             acc.backward(loss)
             if acc.sync_gradients:
+                self._average_adapter_grads()
                 acc.clip_grad_norm_(self._trainable(), self.config.train.max_grad_norm)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad()
         return metrics if acc.sync_gradients else None
+
+    def _finite_everywhere(self, loss: torch.Tensor) -> bool:
+        """Whether the loss is finite on every process: all stop together, or none (no process left waiting)."""
+        bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=loss.device)
+        if self.accelerator.num_processes > 1:
+            bad = self.accelerator.reduce(bad, reduction="sum")
+        return bad.item() == 0
+
+    def _average_adapter_grads(self) -> None:
+        """Medusa-2: average the LoRA gradients over processes. Only the heads are wrapped for
+        data parallelism, so without this each process's adapter would drift its own way."""
+        if not self.config.medusa2.enabled or self.accelerator.num_processes == 1:
+            return
+        grads = [p.grad for p in self.base.parameters() if p.requires_grad and p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce for the whole adapter
+        torch.distributed.all_reduce(flat)
+        flat /= self.accelerator.num_processes
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
     def _loss(self, ids: torch.Tensor, mask: torch.Tensor):
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
