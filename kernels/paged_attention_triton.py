@@ -5,8 +5,9 @@ docstring for the layout). One program owns one (sequence, KV head, tile of
 query rows), where a row is a (step token, query head of that KV head's group)
 pair: the group's heads share every K/V tile loaded, and so do all the tree
 tokens of a sequence, so KV is read once per sequence and KV head rather than
-once per query token. K/V are walked one page (block) at a time with an online
-softmax in float32.
+once per query token. K/V are walked BLOCK_N keys (several pages) at a time with
+an online softmax in float32, in two phases: the cached prefix, which every row
+sees (no mask), then the step's own tokens under the causal or tree mask.
 """
 
 from __future__ import annotations
@@ -17,24 +18,46 @@ import torch
 import triton
 import triton.language as tl
 
+_LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
+
+
+@triton.jit
+def _softmax_update(s, v, m_i, l_i, acc):
+    """Fold one key chunk into the running online softmax (FlashAttention-2 style).
+
+    s [M, N] float32 scores already in log2 units (scale * log2(e) folded in), -inf
+    where a key is hidden; v [N, D]; m_i, l_i [M] running max (log2 units) and sum;
+    acc [M, D] float32 unnormalised output.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see nothing in this split yet
+    alpha = tl.exp2(m_i - m_safe)  # exp2 maps to one MUFU.EX2; exp would add a multiply per element
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulate in the MMA's fp32 accumulator
+    return m_new, l_i, acc
+
 
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, kv_lens_ptr, qstart_ptr, causal_ptr,
-    bits_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb, scale,
+    bits_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb, qk_scale,
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    tile = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    # Grid (row tiles, KV heads * splits, sequences): the row tiles of one (sequence, KV head,
+    # split) are adjacent program ids, so they run at the same time and read the same K/V
+    # chunks; all but the first read of each chunk then come from L2 instead of HBM.
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    seq = tl.program_id(2)
     q_begin = tl.load(qstart_ptr + seq)
     q_len = tl.load(qstart_ptr + seq + 1) - q_begin
     if tile * BLOCK_M >= q_len * GROUP:
         return
     kv_len = tl.load(kv_lens_ptr + seq)
-    prefix = kv_len - q_len
+    prefix = kv_len - q_len  # cached keys, seen by every step token
     causal = tl.load(causal_ptr + seq)
     # this split's share of the keys, in whole BLOCK_N chunks (flash-decoding: short batches
     # still fill the GPU, because each (sequence, head) is spread over NUM_SPLITS programs)
@@ -50,43 +73,63 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + (q_begin + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None], other=0.0)  # [M, D]
     bits = tl.load(bits_ptr + q_begin + token, mask=row_ok, other=0)  # [M] int64
+    table = tables_ptr + seq * stride_tb  # this sequence's block table
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_kh
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     keys = tl.arange(0, BLOCK_N)
-    for start in range(key_begin, key_end, BLOCK_N):
-        logical = start + keys  # [N] several pages per iteration: more loads in flight
-        key_ok = logical < key_end
-        block = tl.load(tables_ptr + seq * stride_tb + logical // PAGE, mask=key_ok, other=0).to(tl.int64)
+
+    # Phase 1, the cached prefix: whole BLOCK_N chunks of [key_begin, min(key_end, prefix)).
+    # Every row sees every such key and every key is in range, so the loop has no mask at all
+    # (no predicated loads, no select on the [M, N] scores). key_begin is a multiple of
+    # BLOCK_N, so these are the sequence's aligned chunks; a chunk straddling `prefix` or
+    # key_end is left to phase 2. Clamped at 0 first: a split past the prefix has none.
+    prefix_end = key_begin + tl.maximum(tl.minimum(key_end, prefix) - key_begin, 0) // BLOCK_N * BLOCK_N
+    for start in range(key_begin, prefix_end, BLOCK_N):
+        logical = start + keys  # [N] several pages per chunk: more loads in flight
+        block = tl.load(table + logical // PAGE).to(tl.int64)
+        slots = block * PAGE + logical % PAGE  # [N]
+        k = tl.load(k_head + slots[:, None] * stride_ks + dims[None, :])  # [N, D]
+        v = tl.load(v_head + slots[:, None] * stride_ks + dims[None, :])  # [N, D]
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [M, N]
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
+
+    # Phase 2, [prefix_end, own_end): the prefix chunk's unaligned tail (if any) and the step's
+    # own tokens, which need the causal or tree mask (int64 bit shifts, emulated on GPUs: only
+    # here, at most 64 + BLOCK_N - 1 keys for a tree, so one or two chunks). A causal row tile
+    # sees no step token past its last row's, so its phase ends there; tree ancestors carry no
+    # such order guarantee, so a tree tile walks to key_end.
+    last_token = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
+    own_end = tl.where(causal != 0, tl.minimum(key_end, prefix + last_token + 1), key_end)
+    for start in range(prefix_end, own_end, BLOCK_N):
+        logical = start + keys  # [N]; start need not be a multiple of BLOCK_N (or PAGE) here
+        key_ok = logical < own_end
+        block = tl.load(table + logical // PAGE, mask=key_ok, other=0).to(tl.int64)
         slots = block * PAGE + logical % PAGE
-        k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-                    mask=key_ok[:, None], other=0.0)  # [N, D]
-        v = tl.load(v_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-                    mask=key_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [M, N]
+        k = tl.load(k_head + slots[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_head + slots[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [M, N]
         step = logical - prefix  # [N] index among the step's tokens (negative: prefix)
         in_step = step >= 0
         step_c = tl.where(in_step, step, 0)
         shift = tl.minimum(step_c, 63).to(tl.int64)  # causal chunks may exceed 64 tokens; bits unused there
-        tree_ok = ((bits[:, None] >> shift[None, :]) & 1) != 0
+        tree_ok = ((bits[:, None] >> shift[None, :]) & 1) != 0  # [M, N]
         causal_ok = step_c[None, :] <= token[:, None]
         own_ok = tl.where(causal != 0, causal_ok, tree_ok)
         visible = key_ok[None, :] & ((~in_step[None, :]) | own_ok)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see nothing in this split
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
+
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:  # partials [T, Hq, S, D] and [T, Hq, S, 2] (max, sum), merged by _merge_splits_kernel
-        part = ((q_begin + token) * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + split  # [M]
+    else:  # partials [T, Hq, S, D] and [T, Hq, S, 2] (max in log2 units, sum), merged by _merge_splits_kernel
+        num_heads = tl.num_programs(1) // NUM_SPLITS * GROUP
+        part = ((q_begin + token) * num_heads + head) * NUM_SPLITS + split  # [M]
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
@@ -99,10 +142,10 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_o
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
     base = (token * num_heads + head) * NUM_SPLITS + splits  # [S]
-    m = tl.load(part_ml_ptr + base * 2)
+    m = tl.load(part_ml_ptr + base * 2)  # log2 units, like the attention kernel's running max
     l_s = tl.load(part_ml_ptr + base * 2 + 1)
     m_max = tl.max(m, 0)
-    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # [S]; empty splits weigh nothing
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # [S]; empty splits weigh nothing
     dims = tl.arange(0, HEAD_DIM)
     acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + dims[None, :])  # [S, D]
     out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_s * weight, 0)
@@ -137,17 +180,35 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_ml = torch.empty(q.shape[0], num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    grid = (num_seqs, num_kv_heads, tiles * num_splits)
+    # row tiles first: the tiles sharing one (sequence, KV head, split) run together and share K/V in L2
+    grid = (tiles, num_kv_heads * num_splits, num_seqs)
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, kv_lens, query_start, causal.to(torch.int32),
         step_bits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), scale if scale is not None else 1.0 / math.sqrt(head_dim),
+        block_tables.stride(0), scale * _LOG2E,  # softmax in exp2: scores (and stored maxima) in log2 units
         NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        **_launch_config(block_m, block_n, head_dim, q.element_size()),
     )
     if num_splits > 1 and q.shape[0]:
         _merge_splits_kernel[(q.shape[0], num_heads)](out, part_acc, part_ml, out.stride(0), out.stride(1),
                                                       num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim)
     return out
+
+
+def _launch_config(block_m: int, block_n: int, head_dim: int, elem_bytes: int) -> dict:
+    """num_warps / num_stages for the attention kernel on Hopper-class GPUs (ignored by the interpreter).
+
+    A [64, 128] (or larger) fp32 accumulator takes 64 registers a thread with 4 warps
+    (128 at D=256, which spills), plus 32 for the [64, 64] scores: 8 warps halve both and
+    put more threads to work on issuing the gathered K/V loads. Software pipelining keeps num_stages K and V chunks
+    ([BLOCK_N, D] each) in shared memory; 3 stages where that fits well under the ~227 KiB
+    an SM offers (bf16/fp16 up to D=128), fewer for wide fp32 / D=256 chunks.
+    """
+    num_warps = 8 if block_m * head_dim >= 64 * 128 else 4
+    stage_bytes = 2 * block_n * head_dim * elem_bytes  # one K and one V chunk
+    num_stages = max(1, min(3, (160 * 1024) // stage_bytes))
+    return dict(num_warps=num_warps, num_stages=num_stages)
 
 
 def _pick_splits(programs: int, max_keys: int, block_n: int, q: torch.Tensor) -> int:

@@ -12,13 +12,16 @@ from medusa.tree import TreeSpec  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def random_batch(seed, kinds, prefix_max, hq, hkv, d, page, dtype, num_blocks=256):
-    """Sequences of each kind ('tree-N', 'chain-3', or an int prompt-chunk length) on scattered pages."""
+def random_batch(seed, kinds, prefix_max, hq, hkv, d, page, dtype, num_blocks=256, prefixes=None):
+    """Sequences of each kind ('tree-N', 'chain-3', or an int prompt-chunk length) on scattered pages.
+
+    Cached-prefix lengths are random in [0, prefix_max], or exactly `prefixes` (one per kind) when given.
+    """
     g = torch.Generator().manual_seed(seed)
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables, bits, causal, kv_lens, q_lens = [], [], [], [], []
-    for kind in kinds:
-        prefix = int(torch.randint(0, prefix_max + 1, (1,), generator=g))
+    for i, kind in enumerate(kinds):
+        prefix = prefixes[i] if prefixes else int(torch.randint(0, prefix_max + 1, (1,), generator=g))
         tree = TreeSpec.load(kind) if isinstance(kind, str) else None
         q_len = tree.num_nodes if tree else kind
         tables.append([free.pop() for _ in range(-(-(prefix + q_len) // page))])
@@ -67,6 +70,40 @@ def test_split_kv_matches_reference(case, num_splits):
     got = paged_attention_triton(**batch, block_size=page, max_query_len=max_q, out=poisoned, num_splits=num_splits)
     assert not got.isnan().any()
     assert torch.allclose(got.float(), expected.float(), atol=2e-3, rtol=2e-3)
+
+
+# Exact cached-prefix lengths around the kernel's BLOCK_N = 64 key chunks. The kernel walks the
+# prefix (no mask) and then the step's own keys (causal / tree mask) in two loops per split, so
+# these put split boundaries inside the step tokens, prefixes off and on chunk multiples, empty
+# prefixes and splits, and prefixes longer than two chunks.
+PHASE_LAYOUTS = {  # name: (kinds, prefixes, hq, hkv)
+    # tree-64 at 100: kv 164, a split boundary at 128 (2 or 8 splits) among the tree tokens;
+    # tree-16 at 0: no cached keys; chain-3 at 191: three whole chunks and a 63-key tail;
+    # tree-64 at 300: kv 364, split boundaries at 192/256 in the prefix and at 320 in the tree.
+    # Group 2: the 128 rows of a tree-64 are two row tiles.
+    "tree": (["tree-64", "tree-16", "chain-3", "tree-64"], [100, 0, 191, 300], 4, 2),
+    # chunks of 70 at 0 (more than 64 step tokens, a split boundary at 64 among them) and at
+    # 200 (boundary at 256 with 8 splits); a one-token decode at 130; 33 tokens at 256, a
+    # multiple of the chunk. Group 3: row tiles of 64 rows end in the middle of a token.
+    "causal": ([70, 70, 1, 33], [0, 200, 130, 256], 6, 2),
+}
+
+
+# page 128: a page holds two chunks; fp16 rather than bf16, which the CPU interpreter computes wrongly
+@pytest.mark.parametrize("page,dtype", [(16, torch.float32), (128, torch.float16)])
+@pytest.mark.parametrize("num_splits", [1, 2, 8])
+@pytest.mark.parametrize("layout", sorted(PHASE_LAYOUTS))
+def test_prefix_and_step_phases_match_reference(layout, num_splits, page, dtype):
+    kinds, prefixes, hq, hkv = PHASE_LAYOUTS[layout]
+    batch, max_q = random_batch(20 + num_splits, kinds, 0, hq, hkv, 32, page, dtype,
+                                num_blocks=4096 // page, prefixes=prefixes)
+    expected = paged_attention_reference(**{**batch, "q": batch["q"].float(), "k_cache": batch["k_cache"].float(),
+                                            "v_cache": batch["v_cache"].float()}, block_size=page)
+    poisoned = torch.full_like(batch["q"], float("nan"))
+    got = paged_attention_triton(**batch, block_size=page, max_query_len=max_q, out=poisoned, num_splits=num_splits)
+    assert not got.isnan().any()
+    tol = 2e-3 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), expected, atol=tol, rtol=tol)
 
 
 def test_wrapper_names_bad_inputs():
