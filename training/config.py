@@ -24,6 +24,9 @@ class HeadsSection:
     num_layers: int = 1
     lm_head: str = "shared"
     lora_rank: int = 16
+    # trained heads to start from (a heads folder): e.g. Medusa-2 from Medusa-1 heads, the paper's
+    # two-stage recipe, so the heads' gradients into the LoRA carry signal from the first step
+    init_from: str | None = None
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,9 @@ class Trainer:
             hidden_size=base.config.hidden_size, vocab_size=base.config.vocab_size,
             num_heads=config.heads.num_heads, num_layers=config.heads.num_layers,
             lm_head=config.heads.lm_head, lora_rank=config.heads.lora_rank, base_model=base_name))
-        if config.heads.lm_head == "full":
+        if config.heads.init_from:
+            self._init_heads_from(config.heads.init_from, base)
+        elif config.heads.lm_head == "full":
             self.heads.init_full_lm_heads(base.lm_head.weight.float())
         self.base = _with_adapter(base, config) if config.medusa2.enabled else base.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self._param_groups(), weight_decay=t.weight_decay)
@@ -78,6 +80,16 @@ class Trainer:
             self.accelerator.register_for_checkpointing(_AdapterState(self.base))
         self.state = TrainState()
         self.output = Path(config.output_dir)
+
+    def _init_heads_from(self, path: str, base: DecoderModel) -> None:
+        """Copy trained heads' weights in; their shape settings must be this run's."""
+        trained = MedusaHeads.from_pretrained(path, lm_head_weight=base.lm_head.weight)
+        mine, theirs = self.heads.config, trained.config
+        for key in ("num_heads", "num_layers", "lm_head", "lora_rank"):
+            if getattr(mine, key) != getattr(theirs, key) and (key != "lora_rank" or mine.lm_head == "lora"):
+                raise ValueError(f"heads.init_from={path}: its {key} is {getattr(theirs, key)!r}, but this run's "
+                                 f"heads.{key} is {getattr(mine, key)!r}; set heads.{key} to match")
+        self.heads.load_state_dict(trained.float().state_dict())
 
     def _param_groups(self) -> list[dict]:
         groups = [{"params": list(self.heads.parameters()), "lr": self.config.train.lr}]

@@ -94,3 +94,23 @@ def test_unknown_config_key_is_named():
         load_config(None, ["train.learning_rate=1e-3"])
     with pytest.raises(FileNotFoundError, match="medusa1-smollm2"):
         load_config("no-such-recipe")
+
+
+def test_heads_can_start_from_trained_ones(tmp_path):
+    """heads.init_from (Medusa-2 after Medusa-1): the weights come in, and training starts from their loss."""
+    trained = make_trainer(tmp_path / "a", "train.epochs=20", "train.save_every=0")
+    trained_state = trained.train()
+    trained.unwrapped_heads().save_pretrained(tmp_path / "heads")
+    again = make_trainer(tmp_path / "b", f"heads.init_from={tmp_path / 'heads'}", "train.epochs=1",
+                         "train.save_every=0")
+    mine, theirs = again.unwrapped_heads().state_dict(), trained.unwrapped_heads().state_dict()
+    assert all(torch.equal(mine[k], theirs[k].float()) for k in theirs)
+    fresh_first = losses(make_trainer(tmp_path / "c", "train.epochs=1", "train.save_every=0").train())[1]
+    assert losses(again.train())[1] < 0.8 * fresh_first
+    assert losses(again.state)[1] <= 1.2 * losses(trained_state)[max(losses(trained_state))]
+
+
+def test_init_from_heads_of_another_shape_is_refused(tmp_path):
+    make_trainer(tmp_path / "a").unwrapped_heads().save_pretrained(tmp_path / "heads")
+    with pytest.raises(ValueError, match="num_layers is 1, but this run's heads.num_layers is 2"):
+        make_trainer(tmp_path / "b", f"heads.init_from={tmp_path / 'heads'}", "heads.num_layers=2")
