@@ -22,6 +22,7 @@ first, then cached ones least recently freed first.
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections import OrderedDict
 from typing import Iterable, Optional
@@ -37,6 +38,10 @@ BlockKey = tuple[Optional[int], tuple[int, ...]]
 
 
 def _check_count(name: str, value: object, minimum: int = 0) -> int:
+    # Fast path: a plain int is by far the common case, and isinstance against the
+    # numbers ABC costs about a microsecond, several times per sequence per step.
+    if type(value) is int and value >= minimum:
+        return value
     # bool is Integral, but True as a token count is certainly a bug
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -100,6 +105,42 @@ class BlockManager:
         table = np.asarray(seq.block_table, dtype=np.int64)  # [num_blocks_of_seq]
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
+    def block_tables(self, seqs: list[Sequence], width: int | None = None) -> np.ndarray:
+        """The sequences' block tables as rows of one [len(seqs), width] int32 array, padded with 0.
+
+        width: None for the longest table. Filled in one NumPy assignment rather
+        than row by row: a decode step needs it for every running sequence.
+        """
+        lengths = [len(s.block_table) for s in seqs]
+        longest = max(lengths, default=0)
+        width = longest if width is None else width
+        if longest > width:
+            seq = seqs[lengths.index(longest)]
+            raise ValueError(f"request {seq.request_id!r} holds {longest} blocks, more than the {width} a row has")
+        tables = np.zeros((len(seqs), width), dtype=np.int32)
+        held = np.arange(width) < np.array(lengths)[:, None]  # [B, width], row-major like the chained tables
+        tables[held] = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32,
+                                   count=sum(lengths))
+        return tables
+
+    def decode_slot_mapping(self, seqs: list[Sequence], count: int, tables: np.ndarray) -> np.ndarray:
+        """Physical slots [len(seqs), count] int64 of each sequence's token slots [computed, computed + count).
+
+        Row i equals `slot_mapping(seqs[i], seqs[i].num_computed_tokens, count)`,
+        computed for the whole batch at once from `tables`, the sequences'
+        `block_tables` (rows beyond len(seqs) are ignored).
+        """
+        _check_count("count", count)
+        bs = self.block_size
+        for seq in seqs:
+            if seq.num_computed_tokens + count > len(seq.block_table) * bs:
+                self.slot_mapping(seq, seq.num_computed_tokens, count)  # raises, naming the sequence
+        starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)  # [B]
+        positions = starts[:, None] + np.arange(count)  # [B, count]
+        rows = np.arange(len(seqs))[:, None]  # [B, 1]
+        blocks = tables[rows, positions // bs].astype(np.int64)  # [B, count], int64 before scaling to slots
+        return blocks * bs + positions % bs
+
     # -------------------------------------------------------------- allocation
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
@@ -124,14 +165,18 @@ class BlockManager:
         if taken > len(self._free):
             raise RuntimeError(f"out of KV blocks: request {seq.request_id!r} needs {taken} free blocks "
                                f"but {len(self._free)} of {self.num_blocks} are free (ask can_allocate first)")
-        end = seq.num_computed_tokens + num_new_tokens
-        if not seq.block_table:  # first allocation: the hit (maybe none) is this life's cached prefix
-            for block in hits:  # before any fresh block is popped, which could evict a hit
-                self._share(block)
-            seq.block_table.extend(hits)
-            seq.num_cached_prefix_tokens = seq.num_computed_tokens = len(hits) * self.block_size
-        seq.block_table.extend(self._pop_free() for _ in range(num_fresh))
-        return end - seq.num_computed_tokens
+        return self._take(seq, num_new_tokens, hits, num_fresh)
+
+    def try_allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> int | None:
+        """`allocate` if the pool has room now, else None (and nothing changes).
+
+        One plan where `can_allocate` then `allocate` make two: a scheduler
+        does this for every running sequence every step.
+        """
+        hits, num_fresh = self._plan(seq, num_new_tokens, num_lookahead)
+        if self._free_blocks_taken(hits, num_fresh) > len(self._free):
+            return None
+        return self._take(seq, num_new_tokens, hits, num_fresh)
 
     def commit(self, seq: Sequence, num_accepted: int) -> None:
         """Keep `num_accepted` more computed tokens; release blocks the rest needed.
@@ -190,8 +235,21 @@ class BlockManager:
         needed = _ceil_div(end + num_lookahead, self.block_size) - len(seq.block_table) - len(hits)
         return hits, max(needed, 0)
 
+    def _take(self, seq: Sequence, num_new_tokens: int, hits: list[int], num_fresh: int) -> int:
+        """Carry out a plan that fits the free list (see `allocate`)."""
+        end = seq.num_computed_tokens + num_new_tokens
+        if not seq.block_table:  # first allocation: the hit (maybe none) is this life's cached prefix
+            for block in hits:  # before any fresh block is popped, which could evict a hit
+                self._share(block)
+            seq.block_table.extend(hits)
+            seq.num_cached_prefix_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        seq.block_table.extend(self._pop_free() for _ in range(num_fresh))
+        return end - seq.num_computed_tokens
+
     def _free_blocks_taken(self, hits: list[int], num_fresh: int) -> int:
         # a hit on a cached but free block takes it off the free list as well
+        if not hits:  # every decode step's case
+            return num_fresh
         return num_fresh + sum(1 for block in hits if self.ref_counts[block] == 0)
 
     def _match_prefix(self, seq: Sequence, max_tokens: int) -> list[int]:
@@ -210,6 +268,8 @@ class BlockManager:
 
     def _register_full_blocks(self, seq: Sequence, first: int, last: int) -> None:
         """Key the sequence's logical blocks [first, last), which just became full."""
+        if first >= last:  # most steps fill no block: skip hashing the parent's key
+            return
         bs, table = self.block_size, seq.block_table
         parent = hash(self._block_key[table[first - 1]]) if first > 0 else None
         for i in range(first, last):

@@ -69,12 +69,19 @@ class DecodeStep:
         self.roots = torch.zeros(max_seqs + 1, **long)  # [R + 1] pending root per row (+ padding row)
         k = heads.config.num_heads if heads is not None else 0
         self.topk = torch.zeros(max_seqs + 1, k, kmax, **long)  # [R + 1, K, kmax] heads' top tokens
-        self.rows = torch.full((max_seqs,), self.padding_row, **long)
-        self.base = torch.zeros(max_seqs, **long)  # committed tokens before the step
-        self.slots = torch.full((max_seqs * max_tree,), scratch_slot, **long)
+        # rows (state row per batch row), base (committed tokens before the step), kv_lens, query_start
+        # and slots are views of one buffer that `prepare` fills from a host copy in one transfer:
+        # on a GPU every copy from pageable host memory is a synchronisation.
+        sizes = (max_seqs, max_seqs, max_seqs, max_seqs + 1, max_seqs * max_tree)
+        self._host_inputs = np.zeros(sum(sizes), dtype=np.int64)
+        self._host = dict(zip(("rows", "base", "kv_lens", "query_start", "slots"),
+                              np.split(self._host_inputs, np.cumsum(sizes)[:-1])))  # name -> view of the host copy
+        self._host["rows"][:] = self.padding_row
+        self._host["slots"][:] = scratch_slot
+        self._slots_start = sum(sizes[:-1])
+        self._inputs = torch.from_numpy(self._host_inputs).to(self.device, copy=True)
+        self.rows, self.base, self.kv_lens, self.query_start, self.slots = self._inputs.split(sizes)
         self.tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=self.device)
-        self.kv_lens = torch.zeros(max_seqs, **long)
-        self.query_start = torch.zeros(max_seqs + 1, **long)
         self.causal = torch.zeros(max_seqs, dtype=torch.bool, device=self.device)
         self.sampled = torch.zeros(max_seqs, dtype=torch.bool, device=self.device)  # [B] row samples
         self.temperature = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
@@ -116,23 +123,22 @@ class DecodeStep:
         returns the padded batch size."""
         b, n = len(seqs), tree.num_nodes
         padded = self.bucket(b)
-        starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
-        slots = np.full(padded * n, self.scratch_slot, dtype=np.int64)
-        if b:
-            slots[: b * n] = np.concatenate([blocks.slot_mapping(s, int(st), n) for s, st in zip(seqs, starts)])
+        starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)  # [B]
         tables = np.zeros((padded, self.tables.shape[1]), dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            tables[i, : len(seq.block_table)] = seq.block_table
-        kv_lens = np.zeros(padded, dtype=np.int64)
-        kv_lens[:b] = starts + n
-        query_start = np.full(padded + 1, b * n, dtype=np.int64)
-        query_start[: b + 1] = np.arange(b + 1) * n
-        self._put(self.rows, np.array(rows + [self.padding_row] * (padded - b), dtype=np.int64))
-        self._put(self.base, np.concatenate([starts, np.zeros(padded - b, dtype=np.int64)]))
-        self._put(self.slots, slots)
+        tables[:b] = blocks.block_tables(seqs, self.tables.shape[1])
+        # padding rows b..padded: the padding state row, no KV, an empty query, the scratch slot
+        host = self._host
+        host["rows"][:b] = rows
+        host["rows"][b:padded] = self.padding_row
+        host["base"][:b] = starts
+        host["base"][b:padded] = 0
+        host["kv_lens"][:b] = starts + n
+        host["kv_lens"][b:padded] = 0
+        host["query_start"][: padded + 1] = np.minimum(np.arange(padded + 1), b) * n
+        host["slots"][: b * n] = blocks.decode_slot_mapping(seqs, n, tables).reshape(-1)
+        host["slots"][b * n: padded * n] = self.scratch_slot
+        self._put(self._inputs, self._host_inputs[: self._slots_start + padded * n])  # the five in one copy
         self._put(self.tables, tables)
-        self._put(self.kv_lens, kv_lens)
-        self._put(self.query_start, query_start)
         self._prepare_sampling(sampling or [], padded)
         return padded
 

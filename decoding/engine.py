@@ -29,7 +29,7 @@ from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
-from medusa.decoding.sampler import TokenSampler, target_probs
+from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import Scheduler, SchedulerConfig, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
@@ -70,10 +70,19 @@ class _Request:
     index: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     stats: RequestStats = field(default_factory=RequestStats)
+    sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
+
+    def __post_init__(self) -> None:
+        self.sampling = self.params.sampling()
 
 
 def _until_stop_string(request: _Request, tokens: list[int]) -> tuple[list[int], bool]:
-    """Feed tokens one at a time, so the output ends at the token that completes a stop string."""
+    """Feed tokens to the detokenizer; with stop strings one at a time, so the output ends at the
+    token that completes one."""
+    if not request.detok.stop:  # nothing to stop at: one decode for the step's tokens, not one per token
+        if tokens:
+            request.new_text += request.detok.add(tokens)
+        return tokens, False
     for i, token in enumerate(tokens):
         request.new_text += request.detok.add([token])
         if request.detok.stopped:
@@ -212,7 +221,7 @@ class LLMEngine:
             return None
         raw = self.model.compute_logits(rows[-1:])
         logits = self._suppress_eos(request, self._penalize(request, raw), torch.zeros(1, device=self.device))
-        sampling = request.params.sampling()
+        sampling = request.sampling
         first = torch.zeros(1, dtype=torch.long, device=self.device)  # output index 0
         root = logits[0].argmax() if sampling.greedy else request.sampler(target_probs(logits, sampling), first)[0]
         self._note_logprobs(request, raw, [int(root)])
@@ -233,11 +242,13 @@ class LLMEngine:
         outputs = []
         for request, (count, *tokens) in zip(requests, packed):
             seq = request.seq
-            self._record(request, tree, count - 1)
+            _record(request.stats, tree.spec, [count - 1])
+            request.stats.accepted_lengths.append(count)
             emitted = self._append(request, tokens[:count])
             if not seq.is_finished:
                 self.blocks.commit(seq, count)
             outputs.append(self._output(request, emitted))
+        _record(self.totals, tree.spec, [row[0] - 1 for row in packed])  # once for the batch
         if padded in self.policy.step_cost:  # the measured policy is on: it learns what steps really cost
             self.policy.observe_step(padded, tree.spec, time.perf_counter() - start)
         return outputs
@@ -252,7 +263,7 @@ class LLMEngine:
             raw = part1.logits[i * n:(i + 1) * n]
             candidates = part1.candidates[i]
             logits = self._suppress_eos(request, self._penalize(request, raw, tree, candidates), tree.depths)
-            verdict = verify(tree, candidates, logits, request.params.sampling(), AcceptanceConfig(),
+            verdict = verify(tree, candidates, logits, request.sampling, AcceptanceConfig(),
                              request.sampler, request.seq.num_output_tokens)
             accepted = verdict.accepted
             self._note_logprobs(request, raw[accepted], candidates[accepted[1:]].tolist() + [int(verdict.next_token)])
@@ -272,7 +283,7 @@ class LLMEngine:
         Node i's target is output number num_output_tokens + depth(i); its uniform is
         the one the host sampler would use there (a fresh one per step if unseeded).
         """
-        sampling = request.params.sampling()
+        sampling = request.sampling
         if sampling.greedy or self._needs_host(request):
             return None
         depths = tree.spec.max_depth + 1
@@ -334,17 +345,6 @@ class LLMEngine:
             self.runner.decode.release_row(request.row)
             request.row = None
 
-    def _record(self, request: _Request, tree: DeviceTree, accepted_drafts: int) -> None:
-        for stats in (request.stats, self.totals):
-            stats.steps += 1
-            stats.drafted_tokens += tree.num_nodes - 1
-            stats.accepted_tokens += accepted_drafts
-            missing = tree.spec.max_depth - len(stats.accepted_per_depth)
-            stats.accepted_per_depth += [0] * max(missing, 0)
-            for depth in range(accepted_drafts):
-                stats.accepted_per_depth[depth] += 1
-        request.stats.accepted_lengths.append(1 + accepted_drafts)
-
     def _output(self, request: _Request, new: list[int]) -> RequestOutput:
         seq = request.seq
         finished = seq.is_finished
@@ -365,6 +365,18 @@ class LLMEngine:
         if spec not in self._device_trees:
             self._device_trees[spec] = DeviceTree.from_spec(spec, self.device)
         return self._device_trees[spec]
+
+
+def _record(stats: RequestStats, tree: TreeSpec, accepted_drafts: list[int]) -> None:
+    """Count verification steps of `tree` that accepted accepted_drafts[i] drafted tokens each."""
+    stats.steps += len(accepted_drafts)
+    stats.drafted_tokens += (tree.num_nodes - 1) * len(accepted_drafts)
+    stats.accepted_tokens += sum(accepted_drafts)
+    missing = tree.max_depth - len(stats.accepted_per_depth)
+    stats.accepted_per_depth += [0] * max(missing, 0)
+    for accepted in accepted_drafts:
+        for depth in range(accepted):
+            stats.accepted_per_depth[depth] += 1
 
 
 def _tree_label(tree: TreeSpec) -> str:

@@ -93,30 +93,31 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        decoding = [s for s in self.running if s.num_computed_tokens >= prefill_target(s)]
-        tree = self.tree_for(len(decoding))
+        targets = [prefill_target(s) for s in self.running]  # computed per sequence once, used twice
+        num_decoding = sum(s.num_computed_tokens >= t for s, t in zip(self.running, targets))
+        tree = self.tree_for(num_decoding)
+        num_nodes = tree.num_nodes
         scheduled, preempted = [], []
-        for seq in list(self.running):
-            if seq not in self.running:  # preempted earlier in this loop
+        for seq, target in zip(list(self.running), targets):
+            if preempted and seq in preempted:  # preempted earlier in this loop (a list scan only then)
                 continue
-            is_prefill = seq.num_computed_tokens < prefill_target(seq)
-            need = min(prefill_target(seq) - seq.num_computed_tokens, budget) if is_prefill else tree.num_nodes
+            is_prefill = seq.num_computed_tokens < target
+            need = min(target - seq.num_computed_tokens, budget) if is_prefill else num_nodes
             if need <= 0 or need > budget:
                 continue
             lookahead = 0 if is_prefill else need - 1
             count = 1 if not is_prefill else need
-            if not self._make_room(seq, count, lookahead, preempted):
+            if not self._allocate_making_room(seq, count, lookahead, preempted):
                 break
-            self.blocks.allocate(seq, count, lookahead)
             scheduled.append(ScheduledSeq(seq, need, is_prefill))
             budget -= need
         if not preempted:  # memory is short: admitting now would only thrash
             self._admit(scheduled, budget)
         return SchedulerOutput(scheduled, tree, preempted)
 
-    def _make_room(self, seq: Sequence, count: int, lookahead: int, preempted: list[Sequence]) -> bool:
-        """Preempt the newest running sequences until `seq` fits; False if `seq` itself went."""
-        while not self.blocks.can_allocate(seq, count, lookahead):
+    def _allocate_making_room(self, seq: Sequence, count: int, lookahead: int, preempted: list[Sequence]) -> bool:
+        """Allocate for `seq`, preempting the newest running sequences until it fits; False if `seq` itself went."""
+        while self.blocks.try_allocate(seq, count, lookahead) is None:
             victim = self.running[-1]
             self.running.remove(victim)
             self.blocks.free(victim)
@@ -131,10 +132,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             chunk = min(prefill_target(seq) - seq.num_computed_tokens, budget)
-            if not self.blocks.can_allocate(seq, chunk):
+            to_compute = self.blocks.try_allocate(seq, chunk)
+            if to_compute is None:
                 break
             self.waiting.popleft()
-            to_compute = self.blocks.allocate(seq, chunk)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, to_compute, True))

@@ -73,6 +73,36 @@ def test_slot_mapping_matches_hand_computation():
         bm.slot_mapping(seq, -1, 1)
 
 
+def test_batched_tables_and_decode_slots_match_per_sequence():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a, b, c = Sequence("a", list(range(12))), Sequence("b", list(range(5))), Sequence("c", [1])
+    a.block_table, b.block_table, c.block_table = [7, 2, 5], [9, 3], [11]
+    a.num_computed_tokens, b.num_computed_tokens, c.num_computed_tokens = 5, 4, 0
+    tables = bm.block_tables([a, b, c], width=4)
+    assert tables.dtype == np.int32 and tables.tolist() == [[7, 2, 5, 0], [9, 3, 0, 0], [11, 0, 0, 0]]
+    assert bm.block_tables([a, b]).shape == (2, 3) and bm.block_tables([]).shape == (0, 0)
+    slots = bm.decode_slot_mapping([a, b, c], 3, tables)
+    assert slots.dtype == np.int64
+    assert slots.tolist() == [bm.slot_mapping(s, s.num_computed_tokens, 3).tolist() for s in (a, b, c)]
+    assert bm.decode_slot_mapping([], 3, tables).shape == (0, 3)
+    with pytest.raises(ValueError, match="'b'.*allocate first"):
+        bm.decode_slot_mapping([a, b], 5, tables)  # b has slots [4, 8) only
+    with pytest.raises(ValueError, match="'a' holds 3 blocks"):
+        bm.block_tables([a, b], width=2)
+
+
+def test_counts_accept_numpy_integers_and_reject_bools():
+    bm = BlockManager(num_blocks=np.int64(4), block_size=4)
+    seq = Sequence("a", [1, 2, 3])
+    assert bm.allocate(seq, np.int32(3)) == 3
+    with pytest.raises(ValueError, match="num_accepted must be an integer >= 0, got True"):
+        bm.commit(seq, True)
+    with pytest.raises(ValueError, match="num_accepted must be an integer >= 0, got 2.0"):
+        bm.commit(seq, 2.0)
+    bm.commit(seq, np.int64(3))
+    assert seq.num_computed_tokens == 3
+
+
 def test_pool_exhaustion_fails_cleanly():
     bm = BlockManager(num_blocks=4, block_size=4)
     a, b = Sequence("a", list(range(13))), Sequence("b", list(range(50, 60)))
@@ -80,6 +110,7 @@ def test_pool_exhaustion_fails_cleanly():
     assert bm.usage == 1.0 and not bm.can_allocate(b, 1)
     with pytest.raises(RuntimeError, match="out of KV blocks"):
         bm.allocate(b, 10)
+    assert bm.try_allocate(b, 10) is None
     assert b.block_table == [] and b.num_computed_tokens == 0
     assert not bm.can_allocate(a, 0, num_lookahead=4)  # a's 17th slot needs a fifth block
     with pytest.raises(RuntimeError):
@@ -88,6 +119,8 @@ def test_pool_exhaustion_fails_cleanly():
     bm.check_invariants([a, b])
     bm.free(a)
     assert bm.can_allocate(b, 10) and bm.usage == 0.0
+    assert bm.try_allocate(b, 10) == 10 and len(b.block_table) == 3
+    bm.check_invariants([a, b])
 
 
 def test_bad_arguments_name_themselves():

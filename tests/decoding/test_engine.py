@@ -170,3 +170,30 @@ def test_n_completions_and_logprobs(tiny):
         assert lp.top[0][0] == lp.token_id and len(lp.top) == 3
         assert lp.logprob == pytest.approx(full[len(p) - 1 + i, lp.token_id].item(), abs=1e-4)
     assert engine.abort(rid) is False  # already finished
+
+
+class _Letters:
+    """A tokenizer stand-in: token i is the letter chr(97 + i)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i) for i in ids)
+
+
+def test_streamed_text_adds_up_to_the_decoded_tokens(tiny):
+    model, heads = tiny
+    engine = LLMEngine(model, heads, EngineConfig(), tokenizer=_Letters())
+    ps = prompts(4, seed=7)
+    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, stop=("b",)),
+              SamplingParams(max_tokens=30, temperature=1.0, seed=2), SamplingParams(max_tokens=1)]
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        engine.add_request(p, sp, request_id=str(i))
+    streamed, final = {}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed[out.request_id] = streamed.get(out.request_id, "") + out.new_text
+            if out.finished:
+                final[out.request_id] = out
+    assert engine.totals.accepted_tokens > 0  # some steps emitted several tokens
+    for rid, out in final.items():
+        assert streamed[rid] == out.text == _Letters().decode(out.token_ids), rid
+    assert "b" not in final["1"].text
