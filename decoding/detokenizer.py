@@ -3,6 +3,15 @@
 Text is released only when it can no longer change: a trailing incomplete UTF-8
 sequence (decoded as U+FFFD) is held back, and so is any suffix that could be
 the start of a stop string.
+
+Each step decodes only a short window of tokens, not the whole output: decoding
+everything again would cost O(output length) per step, ~40 us per sequence at
+200 tokens and growing. The window starts at the tokens of the previous
+increment, which give the new tokens their context (a SentencePiece word's
+leading space, a byte-level BPE character split across tokens); the new text is
+the window's text past that context's. It only moves on once the window's text
+does not end inside a UTF-8 character. A test checks, on the default model's
+tokenizer, that the text built this way equals decoding all tokens at once.
 """
 
 from __future__ import annotations
@@ -19,21 +28,47 @@ class IncrementalDetokenizer:
         self.text = ""  # text so far, cut at a stop string once one is seen
         self.released = 0  # characters of self.text already handed out
         self.stopped = False
+        self._decoded = ""  # text of token_ids[:_read], never cut
+        self._context, self._read = 0, 0  # token_ids[_context:_read]: the window's context tokens
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the newly releasable text. Sets `stopped` on a stop string."""
         self.token_ids.extend(token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if self.stopped:
+            return ""
+        self._decode_window(final=False)
+        return self._after_decode()
+
+    def flush(self) -> str:
+        """Release everything left (generation ended), a trailing incomplete character included."""
+        if not self.stopped:
+            self._decode_window(final=True)
+            self._after_decode()
+        return self._release(len(self.text))
+
+    def _decode_window(self, final: bool) -> None:
+        """Extend _decoded with the text of the tokens past _read, unless it ends mid-character."""
+        if self._read == len(self.token_ids):
+            return
+        window = self.token_ids[self._context:]
+        context = self._decode(window[: self._read - self._context])
+        text = self._decode(window)
+        if len(text) <= len(context) or (text.endswith("\ufffd") and not final):
+            return  # nothing visible yet, or a character still incomplete: wait for more tokens
+        self._decoded += text[len(context):]
+        self._context, self._read = self._read, len(self.token_ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def _after_decode(self) -> str:
+        text = self._decoded
         cut = self._first_stop(text)
         if cut is not None:
             self.text, self.stopped = text[:cut], True
             return self._release(len(self.text))
         self.text = text
         return self._release(len(text) - self._holdback(text))
-
-    def flush(self) -> str:
-        """Release everything left (generation ended)."""
-        return self._release(len(self.text))
 
     def _release(self, upto: int) -> str:
         if upto <= self.released:

@@ -1,0 +1,78 @@
+"""Incremental detokenisation: a window per step, yet the text equals decoding everything at once."""
+
+import random
+
+import pytest
+
+from medusa.decoding.detokenizer import IncrementalDetokenizer
+
+TEXT = ("Héllo wörld! 你好，世界。 Emoji: 🦊🚀 — «quotes» and math: ∑ x² ≤ 10.\n"
+        "def f(x):\n    return x ** 2  # ünïcode\n") * 3
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+def feed(tokenizer, ids, seed, stop=()):
+    """Feed ids in random chunks of 1-4 tokens; returns the detokenizer and the released deltas joined."""
+    rng, detok, released, i = random.Random(seed), IncrementalDetokenizer(tokenizer, stop), "", 0
+    while i < len(ids) and not detok.stopped:
+        n = rng.randint(1, 4)
+        released += detok.add(ids[i:i + n])
+        i += n
+    return detok, released + detok.flush()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_tokens_give_the_text_of_one_decode(tokenizer, seed):
+    """Random ids include lone UTF-8 byte tokens: the hard case for a windowed decode."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(tokenizer.vocab_size) for _ in range(300)]
+    detok, released = feed(tokenizer, ids, seed)
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    assert detok.text == whole and released == whole
+
+
+def test_multibyte_text_streams_exactly(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok, released = feed(tokenizer, ids, 0)
+    assert detok.text == released == tokenizer.decode(ids, skip_special_tokens=True)
+    pieces = IncrementalDetokenizer(tokenizer)
+    assert all("\ufffd" not in pieces.add([t]) for t in ids)  # no half character is ever released
+
+
+def test_each_step_decodes_a_short_window(tokenizer):
+    """The cost per step must not grow with the output (a whole-output decode would be O(n) per step)."""
+    ids = tokenizer.encode(TEXT * 4, add_special_tokens=False)
+    seen = []
+
+    class Counting:
+        def decode(self, window, **kw):
+            seen.append(len(window))
+            return tokenizer.decode(window, **kw)
+
+    detok = IncrementalDetokenizer(Counting())
+    for t in ids:
+        detok.add([t])
+    assert len(ids) > 400 and max(seen) <= 8
+    assert detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("stop", [["ünïcode"], ["世界"], ["🚀"], ["x **", "wörld"], [" and math"]])
+def test_stop_strings_cut_the_text_there(tokenizer, stop):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok, released = feed(tokenizer, ids, 1, stop)
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    cut = min(whole.find(s) for s in stop if s in whole)
+    assert detok.stopped and detok.text == released == whole[:cut]
+
+
+def test_text_never_runs_past_an_unfinished_stop_string(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, ["END OF TEXT"])
+    out = detok.add(tokenizer.encode("Some answer. END OF", add_special_tokens=False))
+    assert out == "Some answer. " and not detok.stopped  # "END OF" may begin the stop string: held back
+    assert detok.flush() == "END OF"  # the generation ended without it: release the rest
