@@ -1,6 +1,6 @@
 """Serving load test: N concurrent streaming clients against `medusa serve`, speculation off and on.
 
-    python benchmarks/serving.py --out out/serving --num-kv-blocks 4096   # GPU, full size
+    python benchmarks/serving.py --out out/serving                        # GPU, full size
     python benchmarks/serving.py --quick --out out/serving-quick          # CPU smoke run (CI)
 
 Starts the server itself (127.0.0.1, a free port; stopped with SIGTERM at the
@@ -15,10 +15,10 @@ Per request: TTFT (first content token) and TPOT = (latency - TTFT) /
 (config, environment, one row per mode and concurrency: req/s, output tok/s,
 TTFT and TPOT p50/p99, mean latency, the server's speculation counters) and,
 with matplotlib, serving.png (output tok/s and TPOT p50 against concurrency).
-The server's log goes to server.log. At full size give the server KV room for
-64 sequences of prompt + 256 tokens + a tree (--num-kv-blocks; its default of
-512 blocks would queue requests); it needs the `serve` extra (fastapi,
-uvicorn: wheels in .device-cache/whl for an offline GPU host) and httpx here.
+The server's log goes to server.log. On a GPU the server sizes its KV cache
+from free memory (`--gpu-memory-utilization`); --num-kv-blocks overrides that.
+It needs the `serve` extra (fastapi, uvicorn: wheels in .device-cache/whl for
+an offline GPU host) and httpx here.
 """
 
 from __future__ import annotations
@@ -246,10 +246,11 @@ def environment(log_path: Path | None) -> dict:
            "host": platform.node(), "cpu_count": os.cpu_count(), "git_commit": run(["git", "rev-parse", "HEAD"]),
            "git_dirty": bool(run(["git", "status", "--porcelain"])),
            "gpu": run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])}
-    loaded = re.search(r"\[medusa serve: '(.*)' loaded in .* on (\S+); heads: (\w+)\]",
+    loaded = re.search(r"\[medusa serve: '(.*)' loaded in .* on (\S+); heads: (\w+); KV cache: (\d+) blocks",
                        log_path.read_text()) if log_path and log_path.exists() else None
     if loaded:
-        env.update(served_model=loaded.group(1), server_device=loaded.group(2), heads=loaded.group(3))
+        env.update(served_model=loaded.group(1), server_device=loaded.group(2), heads=loaded.group(3),
+                   kv_blocks=int(loaded.group(4)))
     return env
 
 

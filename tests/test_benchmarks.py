@@ -64,6 +64,7 @@ def test_serving_quick(default_model_dir, tmp_path):
         assert 0 < row["ttft_p50"] <= row["ttft_p99"] and 0 < row["tpot_p50"] <= row["tpot_p99"]
     assert rows[("medusa", 1)]["mean_accepted_length"] >= 1.0  # the server's counters moved
     assert results["environment"]["server_exit_code"] == 0  # SIGTERM: a clean shutdown
+    assert results["environment"]["kv_blocks"] == 512  # the CPU's pool; a GPU sizes it from free memory
     assert (tmp_path / "serving.png").stat().st_size > 0
 
 

@@ -14,6 +14,8 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from medusa.decoding.kv_budget import CPU_BLOCKS
+
     p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--heads", default=None, help="heads folder/file; 'none' for plain decoding only")
     p.add_argument("--host", default="127.0.0.1")
@@ -23,7 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together in one step")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
-    p.add_argument("--num-kv-blocks", type=int, default=512, help="paged KV cache size, in 16-token blocks")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="paged KV cache size per engine, in 16-token blocks (default: from --gpu-memory-utilization "
+                        f"on a GPU, {CPU_BLOCKS} on a CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+                   help="share of the GPU memory left free by the weights that the KV caches may take; "
+                        "split between the plain and the Medusa engine")
     p.add_argument("--device", default=None)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -32,13 +39,16 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from medusa.decoding.engine import EngineConfig
+    from medusa.decoding.kv_budget import auto_num_blocks
     from medusa.decoding.scheduler import SchedulerConfig
     from medusa.decoding.server.app import build_app
     from medusa.default_model import DEFAULT_MODEL_NAME
     from medusa.medusa_model import MedusaModel
 
-    if args.max_num_seqs < 1 or args.max_waiting < 1 or args.num_kv_blocks < 1:
+    if args.max_num_seqs < 1 or args.max_waiting < 1 or (args.num_kv_blocks is not None and args.num_kv_blocks < 1):
         raise ValueError("--max-num-seqs, --max-waiting and --num-kv-blocks must be >= 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     start = time.perf_counter()
     heads = None if args.heads in (None, "none") else args.heads
     model = MedusaModel.from_pretrained(args.model, heads=heads, device=args.device)
@@ -46,10 +56,14 @@ def serve(args: argparse.Namespace) -> int:
         model.heads = None
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(2048, args.max_num_seqs))
+    num_blocks = args.num_kv_blocks or auto_num_blocks(
+        model, args.gpu_memory_utilization / (2 if model.heads is not None else 1),  # plain + Medusa engines
+        args.max_num_seqs, EngineConfig.block_size)
     app = build_app(model, name, api_key=args.api_key, max_waiting=args.max_waiting,
-                    engine_config=EngineConfig(num_blocks=args.num_kv_blocks, scheduler=scheduler))
+                    engine_config=EngineConfig(num_blocks=num_blocks, scheduler=scheduler))
     print(f"[medusa serve: '{name}' loaded in {time.perf_counter() - start:.1f}s on "
-          f"{model.base.embed_tokens.weight.device}; heads: {'yes' if model.heads is not None else 'none'}]",
+          f"{model.base.embed_tokens.weight.device}; heads: {'yes' if model.heads is not None else 'none'}; "
+          f"KV cache: {num_blocks} blocks of {EngineConfig.block_size} tokens per engine]",
           file=sys.stderr)
     server = _make_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=10))
