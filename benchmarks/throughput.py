@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py --out out/throughput                       # GPU: default model + 1B/8B shapes
     python benchmarks/throughput.py --models default --out out/tp
+    python benchmarks/throughput.py --models default --profile-steps --out out/tp   # + where each step's time goes
     python benchmarks/throughput.py --quick --out out/tp-quick                 # CPU smoke run (CI)
 
 For each model and concurrency C, a closed loop keeps C requests in flight on
@@ -30,6 +31,7 @@ from medusa.decoding.scheduler import SchedulerConfig
 from medusa.heads import HeadsConfig, MedusaHeads
 from medusa.loading import empty_model
 from medusa.training.data import DATA_DIR
+from phases import PhaseTimer
 from plotting import pyplot
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
@@ -107,6 +109,10 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         for c in args.concurrency:
             level = prompts[: args.requests_per_slot * c]
             row = {"model": name, "mode": mode, "concurrency": c, **run_level(engine, level, params, c)}
+            if args.profile_steps:  # the same level again, every phase timed
+                with PhaseTimer(engine) as timer:
+                    run_level(engine, level, params, c)
+                row["phases"] = timer.report()
             print(json.dumps(row), flush=True)
             rows.append(row)
         del engine
@@ -142,6 +148,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--num-blocks", type=int, default=4096)
     p.add_argument("--requests-per-slot", type=int, default=3, help="requests served per concurrent slot")
+    p.add_argument("--profile-steps", action="store_true",
+                   help="run each level a second time with every step phase timed (benchmarks/phases.py)")
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 levels, 8 tokens (CPU, CI)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

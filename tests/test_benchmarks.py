@@ -69,11 +69,15 @@ def test_serving_quick(default_model_dir, tmp_path):
 
 
 def test_throughput_quick(tmp_path):
-    results = run("throughput.py", tmp_path)
+    results = run("throughput.py", tmp_path, "--profile-steps")
     rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
     assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 4)}
     for (mode, c), row in rows.items():
         assert row["requests"] == 3 * c and row["tokens"] == 8 * row["requests"]  # ignore_eos
         assert row["tok_s"] > 0 and row["mean_accepted_length"] >= 1.0
     assert rows[("plain", 1)]["speedup"] == 1.0
+    for row in rows.values():  # --profile-steps: the same level again with every phase timed
+        phases = row["phases"]
+        assert phases["decode_steps"] > 0 and phases["part1_ms"] > 0 and phases["prepare_ms"] > 0
+        assert min(v for k, v in phases.items() if k.endswith("_ms")) >= 0
     assert (tmp_path / "throughput.png").stat().st_size > 0
