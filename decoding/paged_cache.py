@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from medusa.config import ModelConfig
+from medusa.kernels.dispatch import use_triton
 from medusa.kernels.paged_attention import paged_attention_reference, write_kv_reference
 
 
@@ -52,6 +53,21 @@ class PagedKVCache:
 
         write_kv_triton(self.k[layer], self.v[layer], k, v, s.slot_mapping)
         return paged_attention_triton(q.contiguous(), self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
+                                      s.query_start, s.causal, s.step_bits, self.block_size, s.max_query_len)
+
+    def rotate_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          positions: torch.Tensor, rotary) -> torch.Tensor:
+        """RoPE, KV write and attention; on the Triton path RoPE and the KV write are one kernel
+        (one launch per layer fewer). q [T, Hq, D], k/v [T, Hkv, D] un-rotated -> [T, Hq, D]."""
+        if not (self.use_triton and use_triton(q, k, v)):
+            q, k = rotary(positions, q, k)
+            return self(layer, q, k, v)
+        from medusa.kernels.paged_attention_triton import paged_attention_triton, rope_write_kv_triton
+
+        s = self.step
+        q = rope_write_kv_triton(positions, q, k, v, rotary.cos, rotary.sin, self.k[layer], self.v[layer],
+                                 s.slot_mapping)
+        return paged_attention_triton(q, self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
                                       s.query_start, s.causal, s.step_bits, self.block_size, s.max_query_len)
 
     def _reference(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -78,16 +78,17 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_heads(src_ptr, dst_ptr, token, stride_t, stride_h, num_heads, cos, sin,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rotate_rows(src_row, dst_row, stride_sh, stride_dh, num_heads, cos, sin,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate one token's heads: src_row / dst_row point at its [H, D] rows (head strides given)."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
     ok = (heads < num_heads)[:, None]
-    src = src_ptr + token * stride_t + heads[:, None] * stride_h + dims[None, :]
+    src = src_row + heads[:, None] * stride_sh + dims[None, :]
     x1 = tl.load(src, mask=ok, other=0.0)
     x2 = tl.load(src + HALF, mask=ok, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    dst = dst_ptr + token * num_heads * 2 * HALF + heads[:, None] * 2 * HALF + dims[None, :]
+    dst = dst_row + heads[:, None] * stride_dh + dims[None, :]
     tl.store(dst, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=ok)
     tl.store(dst + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=ok)
 
@@ -101,8 +102,10 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr
     dims = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * HALF + dims)
     sin = tl.load(sin_ptr + pos * HALF + dims)
-    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_QH)
-    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, num_k_heads, cos, sin, HALF, BLOCK_KH)
+    _rotate_rows(q_ptr + token * stride_qt, q_out_ptr + token * num_q_heads * 2 * HALF, stride_qh, 2 * HALF,
+                 num_q_heads, cos, sin, HALF, BLOCK_QH)
+    _rotate_rows(k_ptr + token * stride_kt, k_out_ptr + token * num_k_heads * 2 * HALF, stride_kh, 2 * HALF,
+                 num_k_heads, cos, sin, HALF, BLOCK_KH)
 
 
 def rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

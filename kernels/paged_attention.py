@@ -67,6 +67,17 @@ def write_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Te
     v_cache[slot_mapping[keep]] = v[keep]
 
 
+def rope_write_kv_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor) -> torch.Tensor:
+    """RoPE on q and k, then k and v into their cache slots: q [T, Hq, D] -> rotated q [T, Hq, D]."""
+    from medusa.kernels.fused_ops import rotary_reference
+
+    q, k = rotary_reference(positions, q, k, cos, sin)
+    write_kv_reference(k_cache, v_cache, k, v, slot_mapping)
+    return q
+
+
 def move_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots: torch.Tensor,
                       dst_slots: torch.Tensor) -> None:
     """Copy accepted tree tokens' KV [n] src -> dst; gathers first, so overlaps are safe."""

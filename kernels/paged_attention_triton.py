@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from medusa.kernels.fused_ops_triton import _rotate_rows
+
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 
 
@@ -279,6 +281,62 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
     if k.shape[0]:
         _write_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
                                         k_cache.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row))
+
+
+@triton.jit
+def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, cos_ptr,
+                          sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+                          stride_ch, num_q_heads, num_kv_heads,
+                          HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
+    # One program per token: q rotated into q_out; k rotated straight into its cache slot and v
+    # copied there, so k is never written out and read back by a second kernel.
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token)
+    half = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * HALF + half)
+    sin = tl.load(sin_ptr + pos * HALF + half)
+    _rotate_rows(q_ptr + token * stride_qt, q_out_ptr + token * num_q_heads * 2 * HALF, stride_qh, 2 * HALF,
+                 num_q_heads, cos, sin, HALF, BLOCK_QH)
+    slot = tl.load(slots_ptr + token)
+    if slot >= 0:  # a negative slot is a padding token: nothing to store
+        _rotate_rows(k_ptr + token * stride_kt, k_cache_ptr + slot * stride_cs, stride_kh, stride_ch,
+                     num_kv_heads, cos, sin, HALF, BLOCK_KH)
+        heads = tl.arange(0, BLOCK_KH)
+        dims = tl.arange(0, 2 * HALF)
+        ok = (heads < num_kv_heads)[:, None]
+        v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=ok)  # [Hkv, D]
+        tl.store(v_cache_ptr + slot * stride_cs + heads[:, None] * stride_ch + dims[None, :], v, mask=ok)
+
+
+def rope_write_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Checked wrapper of `rope_write_kv_reference`'s contract: returns the rotated q [T, Hq, D].
+
+    q, k, v may be strided column slices of the fused QKV output (last dim contiguous);
+    positions [T] int64; cos/sin [P, D/2] float32; caches [slots, Hkv, D] contiguous.
+    """
+    t, _, d = q.shape
+    half = d // 2
+    if k.shape != v.shape or k.shape[0] != t or k.shape[2] != d or k.shape[1:] != k_cache.shape[1:]:
+        raise ValueError(f"rope_write_kv: q [T, Hq, D], k/v [T, Hkv, D] matching the cache rows; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
+    if d % 2 or half & (half - 1) or any(x.stride(2) != 1 for x in (q, k, v)):
+        raise ValueError(f"rope_write_kv: head_dim {d} must be twice a power of two, last dims contiguous")
+    if cos.shape != sin.shape or cos.shape[-1] != half or cos.dtype != torch.float32 or not cos.is_contiguous():
+        raise ValueError(f"rope_write_kv: cos/sin must be contiguous float32 [positions, {half}]")
+    if not k_cache.is_contiguous() or k_cache.stride() != v_cache.stride() or k_cache.dtype != k.dtype:
+        raise ValueError("rope_write_kv: k/v caches must be contiguous [slots, Hkv, D] of k's dtype")
+    if slot_mapping.shape != (t,) or slot_mapping.dtype != torch.int64 or positions.shape != (t,):
+        raise ValueError("rope_write_kv: slot_mapping int64 [T] and positions [T] expected")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if t:
+        _rope_write_kv_kernel[(t,)](
+            q, k, v, q_out, k_cache, v_cache, positions.contiguous(), slot_mapping, cos, sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), q.shape[1], k.shape[1],
+            HALF=half, BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]))
+    return q_out
 
 
 @triton.jit

@@ -37,8 +37,12 @@ class Attention(nn.Module):
         q = q.view(*lead, self.num_heads, self.head_dim)  # [..., T, Hq, D]
         k = k.view(*lead, self.num_kv_heads, self.head_dim)  # [..., T, Hkv, D]
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        out = attn(self.layer, q, k, v)  # [..., T, Hq, D]
+        fused = getattr(attn, "rotate_and_attend", None)  # a cache that applies RoPE as it stores k
+        if fused is not None:
+            out = fused(self.layer, q, k, v, positions, rotary)
+        else:
+            q, k = rotary(positions, q, k)
+            out = attn(self.layer, q, k, v)  # [..., T, Hq, D]
         return self.o_proj(out.reshape(*lead, q_size))
 
 

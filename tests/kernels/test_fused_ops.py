@@ -9,8 +9,8 @@ from medusa.config import RopeConfig  # noqa: E402
 from medusa.kernels.fused_ops import (  # noqa: E402
     add_rms_norm_reference, rms_norm_reference, rotary_reference, silu_and_mul_reference)
 from medusa.kernels.fused_ops_triton import rms_norm_triton, rotary_triton, silu_and_mul_triton  # noqa: E402
-from medusa.kernels.paged_attention import write_kv_reference  # noqa: E402
-from medusa.kernels.paged_attention_triton import write_kv_triton  # noqa: E402
+from medusa.kernels.paged_attention import rope_write_kv_reference, write_kv_reference  # noqa: E402
+from medusa.kernels.paged_attention_triton import rope_write_kv_triton, write_kv_triton  # noqa: E402
 from medusa.rope import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,10 +81,35 @@ def test_write_kv_from_strided_slices():
     assert all(torch.equal(a.nan_to_num(9.0), b.nan_to_num(9.0)) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("seed,hq,hkv,d,dtype", [(0, 4, 2, 64, torch.float32), (1, 9, 3, 64, torch.float32),
+                                                  (2, 8, 8, 128, torch.float32), (3, 6, 2, 32, torch.float16)])
+def test_rope_and_kv_write_in_one_kernel(seed, hq, hkv, d, dtype):
+    """q comes back rotated; rotated k and v land in their slots; padding slots and the rest stay poisoned."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = 7
+    rope = RotaryEmbedding(d, 512, RopeConfig(theta=10000.0)).to(DEVICE)
+    qkv = rand(g, tokens, (hq + 2 * hkv) * d, dtype=dtype)
+    q, k, v = (t.view(tokens, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=1))  # strided views
+    positions = torch.randint(0, 512, (tokens,), generator=g).to(DEVICE)
+    slots = torch.tensor([9, -1, 0, 17, 3, -1, 30], device=DEVICE)
+    got = [torch.full((32, hkv, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
+    want = [t.clone() for t in got]
+    got_q = rope_write_kv_triton(positions, q, k, v, rope.cos, rope.sin, *got, slots)
+    want_q = rope_write_kv_reference(positions, q, k, v, rope.cos, rope.sin, *want, slots)
+    assert close(got_q, want_q, dtype)
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan()) and close(a.nan_to_num(9.0), b.nan_to_num(9.0), dtype)
+
+
 def test_wrappers_name_bad_inputs():
     x = torch.ones(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="weight"):
         rms_norm_triton(x, torch.ones(4, device=DEVICE), 1e-5)
+    q3, cache = torch.ones(2, 4, 64, device=DEVICE), torch.zeros(8, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="rope_write_kv: q .* k/v .* matching the cache rows"):
+        rope_write_kv_triton(torch.zeros(2, dtype=torch.long, device=DEVICE), q3, q3[:, :2], q3[:, :3],
+                             torch.ones(8, 32, device=DEVICE), torch.ones(8, 32, device=DEVICE), cache, cache,
+                             torch.zeros(2, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="even"):
         silu_and_mul_triton(torch.ones(2, 7, device=DEVICE))
     q = torch.ones(2, 4, 64, device=DEVICE)
