@@ -94,16 +94,25 @@ def _rotate_rows(src_row, dst_row, stride_sh, stride_dh, num_heads, cos, sin,
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
-                   stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads,
-                   HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+def _rotate_q(q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr, token, stride_qt, stride_qh, num_q_heads,
+              HALF: tl.constexpr, BLOCK_QH: tl.constexpr):
+    """The token's cos/sin rows [D/2] from its position; q rotated into the contiguous q_out. Returns (cos, sin)."""
     pos = tl.load(pos_ptr + token)
     dims = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * HALF + dims)
     sin = tl.load(sin_ptr + pos * HALF + dims)
     _rotate_rows(q_ptr + token * stride_qt, q_out_ptr + token * num_q_heads * 2 * HALF, stride_qh, 2 * HALF,
                  num_q_heads, cos, sin, HALF, BLOCK_QH)
+    return cos, sin
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads,
+                   HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = _rotate_q(q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr, token, stride_qt, stride_qh, num_q_heads,
+                         HALF, BLOCK_QH)
     _rotate_rows(k_ptr + token * stride_kt, k_out_ptr + token * num_k_heads * 2 * HALF, stride_kh, 2 * HALF,
                  num_k_heads, cos, sin, HALF, BLOCK_KH)
 

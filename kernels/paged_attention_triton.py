@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from medusa.kernels.fused_ops_triton import _rotate_rows
+from medusa.kernels.fused_ops_triton import _rotate_q, _rotate_rows
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 
@@ -291,12 +291,8 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_p
     # One program per token: q rotated into q_out; k rotated straight into its cache slot and v
     # copied there, so k is never written out and read back by a second kernel.
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token)
-    half = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * HALF + half)
-    sin = tl.load(sin_ptr + pos * HALF + half)
-    _rotate_rows(q_ptr + token * stride_qt, q_out_ptr + token * num_q_heads * 2 * HALF, stride_qh, 2 * HALF,
-                 num_q_heads, cos, sin, HALF, BLOCK_QH)
+    cos, sin = _rotate_q(q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr, token, stride_qt, stride_qh, num_q_heads,
+                         HALF, BLOCK_QH)
     slot = tl.load(slots_ptr + token)
     if slot >= 0:  # a negative slot is a padding token: nothing to store
         _rotate_rows(k_ptr + token * stride_kt, k_cache_ptr + slot * stride_cs, stride_kh, stride_ch,
