@@ -161,8 +161,24 @@ class MedusaHeads(nn.Module):
         if hidden.shape[-1] != h:
             raise ValueError(f"hidden has last dim {hidden.shape[-1]}, expected hidden_size={h}")
         x = hidden.to(self.heads[0][0].linear.weight.dtype)
-        # K * num_layers small matmuls; K is 1-5 in practice.
-        return torch.stack([head(x) for head in self.heads])
+        if torch.is_grad_enabled():  # training: the modules themselves, so every weight gets its gradient
+            return torch.stack([head(x) for head in self.heads])
+        # Inference: each layer of all K heads is one batched matmul (3 kernels a layer, not 3 x K);
+        # the decode step runs this every step, where launches, not FLOPs, cost the time.
+        flat = x.reshape(1, -1, h).expand(self.config.num_heads, -1, -1)  # [K, N, H]
+        for weight, bias in self._stacked_layers():
+            flat = flat + F.silu(torch.baddbmm(bias, flat, weight))  # [K, N, H]
+        return flat.reshape(self.config.num_heads, *x.shape)
+
+    def _stacked_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer: the K heads' W^T [K, H, H] and biases [K, 1, H], rebuilt when a weight changes."""
+        linears = [[head[i].linear for head in self.heads] for i in range(self.config.num_layers)]
+        key = tuple((lin.weight.data_ptr(), lin.weight._version, lin.bias._version) for row in linears for lin in row)
+        if getattr(self, "_stack_key", None) != key:
+            self._stack = [(torch.stack([lin.weight.t() for lin in row]), torch.stack([lin.bias[None] for lin in row]))
+                           for row in linears]
+            self._stack_key = key
+        return self._stack
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
         """Head logits [num_heads, ..., V]; lm_head_weight [V, H] is ignored for "full"."""

@@ -129,6 +129,19 @@ def test_forward_matches_per_head_reference(kind):
     torch.testing.assert_close(out, _reference(model, x, lm))
 
 
+@pytest.mark.parametrize("kind", ["shared", "lora", "full"])
+def test_inference_batches_the_heads_and_follows_weight_changes(kind):
+    """Without grad, each layer of all heads is one batched matmul: same logits, fresh after an update."""
+    model = _randomise(MedusaHeads(_cfg(num_heads=3, num_layers=2, lm_head=kind, lora_rank=2)))
+    x, lm = torch.randn(2, 3, H), torch.randn(V, H)
+    lm = lm if kind != "full" else None
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, lm), _reference(model, x, lm))
+        model.heads[1][0].linear.weight.add_(0.5)  # in place: the stacked copy must be rebuilt
+        model.heads[2][1].linear.bias.mul_(-1)
+        torch.testing.assert_close(model(x, lm), _reference(model, x, lm))
+
+
 def test_lora_starts_equal_to_shared_and_trains_only_its_head():
     model = MedusaHeads(_cfg(num_heads=2, lm_head="lora", lora_rank=4))
     assert model.lora_A.shape == (2, 4, H) and model.lora_B.shape == (2, V, 4)
