@@ -73,7 +73,7 @@ class DecodeStep:
         # and slots are views of one buffer that `prepare` fills from a host copy in one transfer:
         # on a GPU every copy from pageable host memory is a synchronisation.
         sizes = (max_seqs, max_seqs, max_seqs, max_seqs + 1, max_seqs * max_tree)
-        self._host_inputs = np.zeros(sum(sizes), dtype=np.int64)
+        self._host_inputs = self._host_buffer((sum(sizes),), torch.int64)
         self._host = dict(zip(("rows", "base", "kv_lens", "query_start", "slots"),
                               np.split(self._host_inputs, np.cumsum(sizes)[:-1])))  # name -> view of the host copy
         self._host["rows"][:] = self.padding_row
@@ -82,6 +82,7 @@ class DecodeStep:
         self._inputs = torch.from_numpy(self._host_inputs).to(self.device, copy=True)
         self.rows, self.base, self.kv_lens, self.query_start, self.slots = self._inputs.split(sizes)
         self.tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        self._host_tables = self._host_buffer((max_seqs, max_blocks_per_seq), torch.int32)
         self.causal = torch.zeros(max_seqs, dtype=torch.bool, device=self.device)
         self.sampled = torch.zeros(max_seqs, dtype=torch.bool, device=self.device)  # [B] row samples
         self.temperature = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
@@ -124,7 +125,8 @@ class DecodeStep:
         b, n = len(seqs), tree.num_nodes
         padded = self.bucket(b)
         starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)  # [B]
-        tables = np.zeros((padded, self.tables.shape[1]), dtype=np.int32)
+        tables = self._host_tables[:padded]
+        tables[b:] = 0  # padding rows: block 0, never read (their kv_len is 0)
         tables[:b] = blocks.block_tables(seqs, self.tables.shape[1])
         # padding rows b..padded: the padding state row, no KV, an empty query, the scratch slot
         host = self._host
@@ -295,5 +297,15 @@ class DecodeStep:
             for buffer, value in zip(buffers, saved):
                 buffer.copy_(value)
 
+    def _host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
+        """A reusable host array; page-locked on CUDA, so copies from it need not block the host.
+
+        Reusing it is safe: a step ends with a synchronising device-to-host copy, so the
+        previous step's upload is done before `prepare` writes the array again.
+        """
+        pinned = self.device.type == "cuda"
+        return torch.zeros(shape, dtype=dtype, pin_memory=pinned).numpy()
+
     def _put(self, buffer: torch.Tensor, values: np.ndarray) -> None:
-        buffer[: len(values)].copy_(torch.from_numpy(values), non_blocking=False)
+        # asynchronous from the page-locked buffers; from any other array the copy is staged first
+        buffer[: len(values)].copy_(torch.from_numpy(values), non_blocking=True)
