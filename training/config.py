@@ -121,10 +121,15 @@ class TrainSection:
     save_every: int = 500  # optimizer steps between checkpoints (0: only at the end)
     log_every: int = 10
     max_steps: int | None = None  # stop early (tests, quick runs)
+    # share of each head's loss taken against the base's full next-token distribution rather than
+    # the sampled token alone (0: hard targets only, the Medusa paper's Medusa-1)
+    soft_targets: float = 0.0
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.lr <= 0 or self.grad_accum < 1 or self.max_tokens_per_batch < 16:
             raise ValueError("train: epochs >= 1, lr > 0, grad_accum >= 1, max_tokens_per_batch >= 16")
+        if not 0 <= self.soft_targets <= 1:
+            raise ValueError(f"train.soft_targets must be in [0, 1], got {self.soft_targets}")
         if self.mixed_precision not in ("auto", "bf16", "fp16", "no"):
             raise ValueError(f"train.mixed_precision must be auto, bf16, fp16 or no, got {self.mixed_precision!r}")
 

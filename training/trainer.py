@@ -182,17 +182,24 @@ class Trainer:
     def _loss(self, ids: torch.Tensor, mask: torch.Tensor):
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         m2 = self.config.medusa2
+        soft = self.config.train.soft_targets
         if m2.enabled:
             hidden = self.base(ids, positions, CausalAttention())
             with torch.no_grad(), self.base.disable_adapter():
                 teacher = self.base(ids, positions, CausalAttention())
             lm_head = self.base.get_base_model().lm_head
-            kl = kl_distillation(lm_head(hidden), lm_head(teacher), mask)
+            teacher_logits = lm_head(teacher)  # [B, T, V] the frozen base: KL target and soft head target
+            kl = kl_distillation(lm_head(hidden), teacher_logits, mask)
         else:
             with torch.no_grad():
                 hidden = self.base(ids, positions, CausalAttention())
             lm_head = self.base.lm_head
-        heads = medusa_loss(self.heads(hidden, lm_head.weight), ids, mask, self.config.train.decay)
+            teacher_logits = None
+            if soft:
+                with torch.no_grad():
+                    teacher_logits = lm_head(hidden)  # [B, T, V]
+        heads = medusa_loss(self.heads(hidden, lm_head.weight), ids, mask, self.config.train.decay,
+                            base_logits=teacher_logits, soft_weight=soft)
         metrics = {"heads_loss": heads.loss.item(), **{f"top1_{k}": v for k, v in enumerate(heads.per_head_top1.tolist())}}
         if not m2.enabled:
             return heads.loss, metrics
