@@ -25,13 +25,9 @@ from medusa.config import ModelConfig
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.kernels.paged_attention import paged_attention_reference
 from medusa.loading import empty_model
+from common import SHAPES
 from plotting import pyplot
 
-SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
-    "smollm2-135m": (576, 1536, 30, 9, 3, 49152),
-    "llama-3.2-1b": (2048, 8192, 16, 32, 8, 128256),
-    "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256),
-}
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-import torch
+from common import sync
 
 PHASES = ("schedule", "prefill", "prepare", "part1", "host_verify", "part2", "post")
 
@@ -40,10 +40,10 @@ class PhaseTimer:
 
     def _timed(self, name: str, fn):
         def run(*args, **kwargs):
-            _sync()
+            sync()
             start = time.perf_counter()
             out = fn(*args, **kwargs)
-            _sync()
+            sync()
             self.seconds[name] += time.perf_counter() - start
             self.decode_steps += name == "decode"
             return out
@@ -57,8 +57,3 @@ class PhaseTimer:
         s["post"] = s.get("decode", 0.0) - inner
         steps = max(self.decode_steps, 1)
         return {f"{k}_ms": 1e3 * s.get(k, 0.0) / steps for k in PHASES} | {"decode_steps": self.decode_steps}
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()

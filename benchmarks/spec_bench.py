@@ -32,6 +32,7 @@ from medusa.attention import CausalAttention
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.medusa_model import MedusaModel
 from medusa.training.data import DATA_DIR
+from common import sync
 from plotting import pyplot
 
 SPEC_BENCH = DATA_DIR / "spec_bench.jsonl"
@@ -55,7 +56,7 @@ def run_ours(model: MedusaModel, question: dict, max_new_tokens: int, speculativ
     for turn in question["turns"]:
         messages.append({"role": "user", "content": turn})
         ids = model.encode(list(messages))
-        _sync()
+        sync()
         start = time.perf_counter()
         out = engine.generate([ids], SamplingParams(max_tokens=max_new_tokens))[0]
         seconds = time.perf_counter() - start
@@ -85,11 +86,6 @@ def drift(model: MedusaModel, reference: MedusaModel, question: dict, max_new_to
             "agreeing": sum(agreement(model, t["prompt"], t["ids"]) for t in ref_turns),
             "identical_turns": sum(a["ids"] == b["ids"] for a, b in zip(ref_turns, ours)),
             "turns": len(ref_turns)}
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def run_hf(hf, model: MedusaModel, question: dict, max_new_tokens: int) -> dict:

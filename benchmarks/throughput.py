@@ -31,14 +31,10 @@ from medusa.decoding.scheduler import SchedulerConfig
 from medusa.heads import HeadsConfig, MedusaHeads
 from medusa.loading import empty_model
 from medusa.training.data import DATA_DIR
+from common import SHAPES, sync
 from phases import PhaseTimer
 from plotting import pyplot
 
-SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
-    "llama-3.2-1b": (2048, 8192, 16, 32, 8, 128256),
-    "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256),
-    "tiny": (64, 128, 2, 4, 2, 256),
-}
 
 
 def random_model(shape: str, device, dtype):
@@ -64,8 +60,7 @@ def default_model(device, dtype):
 
 def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
     """Closed loop: `concurrency` requests stay in flight until every prompt is served."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync()
     queue, finished, in_flight, steps = list(prompts), [], 0, 0
     start = time.perf_counter()
     while queue or in_flight:

@@ -49,11 +49,10 @@ class PagedKVCache:
         s = self.step
         if not self.use_triton:
             return self._reference(layer, q, k, v)
-        from medusa.kernels.paged_attention_triton import paged_attention_triton, write_kv_triton
+        from medusa.kernels.paged_attention_triton import write_kv_triton
 
         write_kv_triton(self.k[layer], self.v[layer], k, v, s.slot_mapping)
-        return paged_attention_triton(q.contiguous(), self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
-                                      s.query_start, s.causal, s.step_bits, self.block_size, s.max_query_len)
+        return self._attend_triton(layer, q.contiguous())
 
     def rotate_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           positions: torch.Tensor, rotary) -> torch.Tensor:
@@ -62,11 +61,17 @@ class PagedKVCache:
         if not (self.use_triton and use_triton(q, k, v)):
             q, k = rotary(positions, q, k)
             return self(layer, q, k, v)
-        from medusa.kernels.paged_attention_triton import paged_attention_triton, rope_write_kv_triton
+        from medusa.kernels.paged_attention_triton import rope_write_kv_triton
+
+        q = rope_write_kv_triton(positions, q, k, v, rotary.cos, rotary.sin, self.k[layer], self.v[layer],
+                                 self.step.slot_mapping)
+        return self._attend_triton(layer, q)
+
+    def _attend_triton(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The Triton kernel over this layer's pages; the step's k/v are already in their slots."""
+        from medusa.kernels.paged_attention_triton import paged_attention_triton
 
         s = self.step
-        q = rope_write_kv_triton(positions, q, k, v, rotary.cos, rotary.sin, self.k[layer], self.v[layer],
-                                 s.slot_mapping)
         return paged_attention_triton(q, self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
                                       s.query_start, s.causal, s.step_bits, self.block_size, s.max_query_len)
 
