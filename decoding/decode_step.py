@@ -29,6 +29,7 @@ from medusa.decoding.batch_verify import (
     build_candidates, compaction_slots, emitted_tokens, greedy_verdict, sampled_targets)
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.host_buffers import host_buffer, upload
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.heads import MedusaHeads
 from medusa.model import DecoderModel
@@ -71,9 +72,10 @@ class DecodeStep:
         self.topk = torch.zeros(max_seqs + 1, k, kmax, **long)  # [R + 1, K, kmax] heads' top tokens
         # rows (state row per batch row), base (committed tokens before the step), kv_lens, query_start
         # and slots are views of one buffer that `prepare` fills from a host copy in one transfer:
-        # on a GPU every copy from pageable host memory is a synchronisation.
+        # on a GPU every copy from pageable host memory is a synchronisation. Rewriting the host copy
+        # each step is safe: a step ends with a synchronising device-to-host copy (the packed result).
         sizes = (max_seqs, max_seqs, max_seqs, max_seqs + 1, max_seqs * max_tree)
-        self._host_inputs = self._host_buffer((sum(sizes),), torch.int64)
+        self._host_inputs = host_buffer((sum(sizes),), torch.int64, self.device)
         self._host = dict(zip(("rows", "base", "kv_lens", "query_start", "slots"),
                               np.split(self._host_inputs, np.cumsum(sizes)[:-1])))  # name -> view of the host copy
         self._host["rows"][:] = self.padding_row
@@ -82,7 +84,7 @@ class DecodeStep:
         self._inputs = torch.from_numpy(self._host_inputs).to(self.device, copy=True)
         self.rows, self.base, self.kv_lens, self.query_start, self.slots = self._inputs.split(sizes)
         self.tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=self.device)
-        self._host_tables = self._host_buffer((max_seqs, max_blocks_per_seq), torch.int32)
+        self._host_tables = host_buffer((max_seqs, max_blocks_per_seq), torch.int32, self.device)
         self.causal = torch.zeros(max_seqs, dtype=torch.bool, device=self.device)
         self.sampled = torch.zeros(max_seqs, dtype=torch.bool, device=self.device)  # [B] row samples
         self.temperature = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
@@ -95,7 +97,7 @@ class DecodeStep:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.buckets = batch_buckets(max_seqs)
         self._graphs: dict = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._free_rows = list(range(max_seqs - 1, -1, -1))
 
     # ---- per-sequence state rows -----------------------------------------
@@ -139,8 +141,8 @@ class DecodeStep:
         host["query_start"][: padded + 1] = np.minimum(np.arange(padded + 1), b) * n
         host["slots"][: b * n] = blocks.decode_slot_mapping(seqs, n, tables).reshape(-1)
         host["slots"][b * n: padded * n] = self.scratch_slot
-        self._put(self._inputs, self._host_inputs[: self._slots_start + padded * n])  # the five in one copy
-        self._put(self.tables, tables)
+        upload(self._inputs, self._host_inputs[: self._slots_start + padded * n])  # the five in one copy
+        upload(self.tables, tables)
         self._prepare_sampling(sampling or [], padded)
         return padded
 
@@ -149,16 +151,16 @@ class DecodeStep:
         if not self.sampling_step:
             return
         rows = sampling + [None] * (padded - len(sampling))
-        self._put(self.sampled, np.array([r is not None for r in rows]))
-        self._put(self.temperature, np.array([r.temperature if r else 1.0 for r in rows], dtype=np.float32))
-        self._put(self.top_k, np.array([r.top_k if r else 0 for r in rows], dtype=np.int64))
-        self._put(self.top_p, np.array([r.top_p if r else 1.0 for r in rows], dtype=np.float32))
+        upload(self.sampled, np.array([r is not None for r in rows]))
+        upload(self.temperature, np.array([r.temperature if r else 1.0 for r in rows], dtype=np.float32))
+        upload(self.top_k, np.array([r.top_k if r else 0 for r in rows], dtype=np.int64))
+        upload(self.top_p, np.array([r.top_p if r else 1.0 for r in rows], dtype=np.float32))
         width = self.uniforms.shape[1]
         uniforms = np.zeros((padded, width), dtype=np.float64)
         for i, r in enumerate(rows):
             if r is not None:
                 uniforms[i, : len(r.uniforms)] = r.uniforms
-        self._put(self.uniforms, uniforms)
+        upload(self.uniforms, uniforms)
 
     def bucket(self, batch: int) -> int:
         """The padded batch size a step of `batch` sequences runs at."""
@@ -275,9 +277,9 @@ class DecodeStep:
                     self._part2(tree, padded, self._part1(tree, padded, sampling))
             torch.cuda.current_stream().wait_stream(stream)
             g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g1, pool=self._pool):
+            with torch.cuda.graph(g1, pool=self.pool):
                 part1 = self._part1(tree, padded, sampling)
-            with torch.cuda.graph(g2, pool=self._pool):
+            with torch.cuda.graph(g2, pool=self.pool):
                 packed = self._part2(tree, padded, part1)
         return {"g1": g1, "g2": g2, "part1": part1, "packed": packed}
 
@@ -296,16 +298,3 @@ class DecodeStep:
         finally:
             for buffer, value in zip(buffers, saved):
                 buffer.copy_(value)
-
-    def _host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
-        """A reusable host array; page-locked on CUDA, so copies from it need not block the host.
-
-        Reusing it is safe: a step ends with a synchronising device-to-host copy, so the
-        previous step's upload is done before `prepare` writes the array again.
-        """
-        pinned = self.device.type == "cuda"
-        return torch.zeros(shape, dtype=dtype, pin_memory=pinned).numpy()
-
-    def _put(self, buffer: torch.Tensor, values: np.ndarray) -> None:
-        # asynchronous from the page-locked buffers; from any other array the copy is staged first
-        buffer[: len(values)].copy_(torch.from_numpy(values), non_blocking=True)

@@ -5,7 +5,8 @@
     while engine.has_unfinished():
         for out in engine.step(): ...
 
-Each step: schedule -> prompt chunks forward eagerly -> every decoding sequence
+Each step: schedule -> prompt chunks forward (replayed from a CUDA graph of their
+token bucket on the GPU, `prefill_graphs.py`) -> every decoding sequence
 verifies its tree in one batched `DecodeStep` (device-side greedy and sampled
 verification, CUDA graphs on the GPU; host verification only for rows that ask
 for logprobs, are under min_tokens or use penalties) -> append tokens, check stops,
@@ -108,7 +109,8 @@ class LLMEngine:
             raise ValueError("engine trees may have at most 64 nodes (the kernels' ancestor bitmask)")
         self.runner = ModelRunner(model, heads, self.blocks, config.num_blocks, config.scheduler.max_num_seqs,
                                   self.max_model_len, max(t.num_nodes for t in trees),
-                                  max(t.max_topk for t in device_trees), config.cuda_graphs)
+                                  max(t.max_topk for t in device_trees), config.cuda_graphs,
+                                  config.scheduler.max_num_batched_tokens)
         self.eos = set(eos_token_ids) | set(model.config.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -150,13 +152,14 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.usage, self.totals)
 
     def warmup(self, context: int = 512) -> dict[int, str]:
-        """Capture the decode step's CUDA graphs and, where the heads carry measured
+        """Capture the prefill and decode steps' CUDA graphs and, where the heads carry measured
         accuracies, let the measured tree policy (`tree_policy.py`) pick each batch
         size's tree. A no-op on the CPU. Returns bucket -> chosen tree name.
         """
         step = self.runner.decode
         if not step.use_graphs:
             return {}
+        self.runner.prefill.capture_all()
         buckets = sorted({step.bucket(b) for b in range(1, self.config.scheduler.max_num_seqs + 1)})
         accuracies = self.heads.config.accuracies if self.heads is not None else None
         if not accuracies:  # the token budget rule stays: capture what it can reach

@@ -1,6 +1,8 @@
 """Turn a step's prompt chunks into tensors and run the model; own the KV pool and the decode step.
 
-Prompt chunks (prefill) run eagerly with their own shapes; decoding sequences
+Prompt chunks (prefill) are padded to a token bucket and replayed from CUDA
+graphs on the GPU (`prefill_graphs.py`); a batch larger than the biggest bucket,
+and everything on the CPU, runs eagerly with its own shapes. Decoding sequences
 go through `DecodeStep` (static buffers, device-side verification, CUDA graphs
 on the GPU). The KV pool has one extra block at the end, never handed out,
 that padding rows of a captured batch write into.
@@ -8,30 +10,22 @@ that padding rows of a captured batch write into.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.decode_step import DecodeStep
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
+from medusa.decoding.prefill_graphs import PrefillBatch, PrefillGraphs
 from medusa.decoding.scheduler import ScheduledSeq
 from medusa.heads import MedusaHeads
 from medusa.model import DecoderModel
 
 
-@dataclass(frozen=True)
-class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    metadata: StepMetadata
-    starts: list[int]  # where each scheduled sequence's tokens begin in the flat batch
-
-
 class ModelRunner:
     def __init__(self, model: DecoderModel, heads: MedusaHeads | None, blocks: BlockManager, num_blocks: int,
-                 max_seqs: int, max_model_len: int, max_tree: int, kmax: int, use_graphs: bool) -> None:
+                 max_seqs: int, max_model_len: int, max_tree: int, kmax: int, use_graphs: bool,
+                 max_prefill_tokens: int = 2048) -> None:
         self.model, self.blocks = model, blocks
         self.device = model.embed_tokens.weight.device
         self.cache = PagedKVCache(model.config, num_blocks + 1, blocks.block_size, model.embed_tokens.weight.dtype,
@@ -39,37 +33,44 @@ class ModelRunner:
         max_blocks_per_seq = -(-(max_model_len + max_tree) // blocks.block_size)
         self.decode = DecodeStep(model, heads, self.cache, num_blocks * blocks.block_size, max_seqs,
                                  max_blocks_per_seq, max_tree, kmax, use_graphs)
+        self.prefill = PrefillGraphs(model, self.cache, max_seqs, max_blocks_per_seq, max_prefill_tokens,
+                                     self.decode.use_graphs, self.decode.pool)
 
-    def prepare_prefill(self, items: list[ScheduledSeq]) -> StepInputs:
+    def prepare_prefill(self, items: list[ScheduledSeq]) -> PrefillBatch:
         """Prompt chunks, each causal over its own tokens and everything cached before them."""
-        ids, positions, slots, kv_lens, tables, starts = [], [], [], [], [], []
-        offset = 0
+        ids, positions, slots, kv_lens, tables = [], [], [], [], []
         for item in items:
             seq, n, start = item.seq, item.num_tokens, item.seq.num_computed_tokens
-            starts.append(offset)
             slots.append(self.blocks.slot_mapping(seq, start, n))
             ids.append(np.asarray(seq.token_ids(start, start + n), dtype=np.int64))
             positions.append(np.arange(start, start + n, dtype=np.int64))
             kv_lens.append(start + n)
             tables.append(seq.block_table)
-            offset += n
-        starts.append(offset)
         table = np.full((len(tables), max(len(t) for t in tables)), -1, dtype=np.int32)
         for row, t in enumerate(tables):
             table[row, : len(t)] = t
-        as_t = lambda a, dtype=torch.long: torch.as_tensor(a, dtype=dtype, device=self.device)  # noqa: E731
-        metadata = StepMetadata(
-            slot_mapping=as_t(np.concatenate(slots)), block_tables=as_t(table, torch.int32),
-            kv_lens=as_t(kv_lens), query_start=as_t(starts), causal=as_t([True] * len(items), torch.bool),
-            step_bits=torch.zeros(offset, dtype=torch.long, device=self.device),
-            max_query_len=max(len(i) for i in ids))
-        return StepInputs(as_t(np.concatenate(ids)), as_t(np.concatenate(positions)), metadata, starts[:-1])
+        query_start = np.concatenate([[0], np.cumsum([len(i) for i in ids])]).astype(np.int64)
+        return PrefillBatch(np.concatenate(ids), np.concatenate(positions), np.concatenate(slots).astype(np.int64),
+                            table, np.asarray(kv_lens, dtype=np.int64), query_start)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """-> final hidden states [T, H] of every step token."""
-        self.cache.step = inputs.metadata
+    def run(self, batch: PrefillBatch) -> torch.Tensor:
+        """-> final hidden states [T, H] of every step token (valid until the next prefill)."""
+        if self.prefill.use_graphs and self.prefill.fits(batch):
+            return self.prefill.run(batch)
+        return self.run_eager(batch)
+
+    @torch.inference_mode()
+    def run_eager(self, batch: PrefillBatch) -> torch.Tensor:
+        """The same forward with the batch's own shapes, no padding, no graph."""
+        as_t = lambda a, dtype=torch.long: torch.as_tensor(a, dtype=dtype, device=self.device)  # noqa: E731
+        self.cache.step = StepMetadata(
+            slot_mapping=as_t(batch.slots), block_tables=as_t(batch.tables, torch.int32),
+            kv_lens=as_t(batch.kv_lens), query_start=as_t(batch.query_start),
+            causal=torch.ones(batch.num_seqs, dtype=torch.bool, device=self.device),
+            step_bits=torch.zeros(batch.num_tokens, dtype=torch.long, device=self.device),
+            max_query_len=batch.max_query_len)
         try:
-            return self.model(inputs.input_ids, inputs.positions, self.cache)
+            return self.model(as_t(batch.input_ids), as_t(batch.positions), self.cache)
         finally:
             self.cache.step = None

@@ -1,0 +1,22 @@
+"""Page-locked host staging buffers for a step's small integer inputs.
+
+On a GPU every copy from pageable host memory synchronises the host with the
+device; from page-locked memory it is queued and the host goes on. The step
+code fills a reusable NumPy view of such a buffer and uploads it in one copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> np.ndarray:
+    """A reusable host array, page-locked when `device` is a GPU."""
+    return torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda").numpy()
+
+
+def upload(buffer: torch.Tensor, values: np.ndarray) -> None:
+    """buffer[:len(values)] = values, queued (asynchronous from a `host_buffer`; from any other
+    array the copy is staged first). The caller must not rewrite `values` before the copy ran."""
+    buffer[: len(values)].copy_(torch.from_numpy(values), non_blocking=True)
