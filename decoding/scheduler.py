@@ -85,10 +85,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def tree_for(self, num_decoding: int) -> TreeSpec:
-        """The measured policy's tree, else the largest tree whose tokens for all decoding sequences fit the budget."""
+        """The measured policy's tree, else the largest tree whose tokens for all decoding sequences fit the budget.
+
+        Either way the tree fits the step's token budget: a decoding sequence whose
+        tree never fits would never be scheduled again.
+        """
+        budget = self.config.max_num_batched_tokens
         if self.policy is not None and num_decoding > 0:
-            return self.policy(num_decoding)
-        fitting = [t for t in self.trees if t.num_nodes * num_decoding <= self.config.max_tree_tokens]
+            tree = self.policy(num_decoding)
+            if tree.num_nodes <= budget:
+                return tree
+        limit = min(self.config.max_tree_tokens, budget)
+        fitting = [t for t in self.trees if t.num_nodes * num_decoding <= limit]
         return fitting[-1] if fitting else self.trees[0]
 
     def schedule(self) -> SchedulerOutput:

@@ -76,3 +76,16 @@ def test_max_num_seqs_and_preemption_by_recompute():
         mock_step(s, plan, accept=3)
     assert preempted and preempted[0] == "r1"  # the newest running sequence goes first
     s.blocks.check_invariants()
+
+
+def test_tree_never_exceeds_the_token_budget():
+    """A 64-node tree under a 48-token budget would never be scheduled: the tree shrinks to fit."""
+    s = make(max_tokens=48, tree_tokens=256)
+    assert s.tree_for(1).num_nodes <= 48
+    s.policy = lambda n: TREES[-1]  # a measured policy that picks the 64-node tree
+    assert s.tree_for(1).num_nodes <= 48
+    seq = Sequence("a", list(range(10)))
+    s.add(seq)
+    mock_step(s, s.schedule())
+    plan = s.schedule()
+    assert [(i.seq.request_id, i.is_prefill) for i in plan.scheduled] == [("a", False)]
