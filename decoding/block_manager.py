@@ -200,8 +200,9 @@ class BlockManager:
         keep = _ceil_div(new, self.block_size)
         while len(seq.block_table) > keep:  # rejected tree slots and unused lookahead
             self._release(seq.block_table.pop())
-        if self.enable_prefix_caching:
-            self._register_full_blocks(seq, old // self.block_size, new // self.block_size)
+        first, last = old // self.block_size, new // self.block_size
+        if self.enable_prefix_caching and first < last:  # most steps fill no block: skip the call and the hashing
+            self._register_full_blocks(seq, first, last)
 
     def free(self, seq: Sequence) -> None:
         """Release all blocks of `seq`; its KV is gone, so num_computed_tokens drops to 0. Idempotent."""
@@ -267,9 +268,7 @@ class BlockManager:
         return hits
 
     def _register_full_blocks(self, seq: Sequence, first: int, last: int) -> None:
-        """Key the sequence's logical blocks [first, last), which just became full."""
-        if first >= last:  # most steps fill no block: skip hashing the parent's key
-            return
+        """Key the sequence's logical blocks [first, last), which just became full (first < last)."""
         bs, table = self.block_size, seq.block_table
         parent = hash(self._block_key[table[first - 1]]) if first > 0 else None
         for i in range(first, last):
@@ -293,10 +292,11 @@ class BlockManager:
         return block
 
     def _release(self, block: int) -> None:
-        if self.ref_counts[block] <= 0:
+        refs = int(self.ref_counts[block])  # one NumPy scalar read, not three (every decode step frees blocks)
+        if refs <= 0:
             raise RuntimeError(f"block {block} released more often than allocated")
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block] > 0:
+        self.ref_counts[block] = refs - 1
+        if refs > 1:
             return
         self._free[block] = None  # at the back: reused last
         key = self._block_key[block]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
@@ -71,6 +72,7 @@ class _Request:
     index: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     stats: RequestStats = field(default_factory=RequestStats)
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it (past min_tokens): EOS and stop_token_ids
     sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
 
     def __post_init__(self) -> None:
@@ -131,11 +133,13 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests or f"{rid}#0" in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        stop_ids = frozenset() if params.ignore_eos else frozenset(self.eos | set(params.stop_token_ids))
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             sub = rid if params.n == 1 else f"{rid}#{index}"
             detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
-            request = _Request(Sequence(sub, ids), params, TokenSampler(seed), detok, parent_id=rid, index=index)
+            request = _Request(Sequence(sub, ids), params, TokenSampler(seed), detok, parent_id=rid, index=index,
+                               stop_ids=stop_ids)
             self.requests[sub] = request
             self.scheduler.add(request.seq)
         return rid
@@ -241,17 +245,18 @@ class LLMEngine:
         part1 = step.forward(tree, padded)
         self._verify_on_host(requests, tree, part1)
         packed = step.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
-        self.policy.observe(tree.spec, sum(row[0] for row in packed), len(packed))
+        counts = [row[0] for row in packed]  # tokens each row emits: 1 + accepted drafts
+        self.policy.observe(tree.spec, sum(counts), len(counts))
         outputs = []
-        for request, (count, *tokens) in zip(requests, packed):
-            seq = request.seq
-            _record(request.stats, tree.spec, [count - 1])
-            request.stats.accepted_lengths.append(count)
-            emitted = self._append(request, tokens[:count])
+        drafted, depth = tree.num_nodes - 1, tree.spec.max_depth
+        for request, row in zip(requests, packed):
+            seq, count = request.seq, row[0]
+            _record_step(request.stats, drafted, depth, count)
+            emitted = self._append(request, row[1:count + 1])
             if not seq.is_finished:
                 self.blocks.commit(seq, count)
             outputs.append(self._output(request, emitted))
-        _record(self.totals, tree.spec, [row[0] - 1 for row in packed])  # once for the batch
+        _record(self.totals, tree.spec, counts)  # once for the batch
         if padded in self.policy.step_cost:  # the measured policy is on: it learns what steps really cost
             self.policy.observe_step(padded, tree.spec, time.perf_counter() - start)
         return outputs
@@ -302,21 +307,21 @@ class LLMEngine:
     def _append(self, request: _Request, tokens: list[int]) -> list[int]:
         """Append up to the first stop condition; finish and free the sequence if one hit."""
         seq, params = request.seq, request.params
-        kept, reason = [], None
-        for token in tokens:
-            if not params.ignore_eos and (token in self.eos or token in params.stop_token_ids) \
-                    and seq.num_output_tokens + len(kept) >= params.min_tokens:
-                reason = FinishReason.STOP
-                break
-            kept.append(token)
-            if seq.num_output_tokens + len(kept) >= params.max_tokens:
-                reason = FinishReason.LENGTH
-                break
+        done = seq.num_output_tokens
+        room = max(params.max_tokens - done, 1)  # a token is always kept unless it stops the sequence
+        kept = tokens[:room]
+        reason = FinishReason.LENGTH if len(tokens) >= room else None
+        if not request.stop_ids.isdisjoint(kept):  # rare: find the first stop token past min_tokens
+            for i, token in enumerate(kept):
+                if token in request.stop_ids and done + i >= params.min_tokens:
+                    kept, reason = kept[:i], FinishReason.STOP
+                    break
         if request.detok is not None:
             kept, stopped = _until_stop_string(request, kept)
             reason = FinishReason.STOP if stopped else reason
         seq.append_tokens(kept)
-        del request.logprobs[seq.num_output_tokens:]  # drop those of tokens cut by a stop
+        if request.logprobs:
+            del request.logprobs[seq.num_output_tokens:]  # drop those of tokens cut by a stop
         if reason is not None:
             seq.finish(reason)
             self.scheduler.finish(seq)
@@ -362,7 +367,7 @@ class LLMEngine:
             logprobs = request.logprobs[-len(new):] if new else []
         return RequestOutput(request.parent_id, new, delta, finished,
                              seq.finish_reason.value if seq.finish_reason else None,
-                             list(seq.output_token_ids), text, request.stats, request.index, logprobs)
+                             seq.output_token_ids, seq.num_output_tokens, text, request.stats, request.index, logprobs)
 
     def _device_tree(self, spec: TreeSpec) -> DeviceTree:
         if spec not in self._device_trees:
@@ -370,16 +375,30 @@ class LLMEngine:
         return self._device_trees[spec]
 
 
-def _record(stats: RequestStats, tree: TreeSpec, accepted_drafts: list[int]) -> None:
-    """Count verification steps of `tree` that accepted accepted_drafts[i] drafted tokens each."""
-    stats.steps += len(accepted_drafts)
-    stats.drafted_tokens += (tree.num_nodes - 1) * len(accepted_drafts)
-    stats.accepted_tokens += sum(accepted_drafts)
+def _record_step(stats: RequestStats, drafted: int, max_depth: int, count: int) -> None:
+    """One sequence's verification step: `drafted` tree tokens (max_depth deep), `count` tokens emitted."""
+    stats.steps += 1
+    stats.drafted_tokens += drafted
+    stats.accepted_tokens += count - 1
+    stats.accepted_lengths.append(count)
+    per_depth = stats.accepted_per_depth
+    if len(per_depth) < max_depth:
+        per_depth += [0] * (max_depth - len(per_depth))
+    for depth in range(count - 1):
+        per_depth[depth] += 1
+
+
+def _record(stats: RequestStats, tree: TreeSpec, counts: list[int]) -> None:
+    """Count verification steps of `tree` that emitted counts[i] tokens (1 + accepted drafts) each;
+    accepted_lengths stays as it is (the engine's totals keep none)."""
+    stats.steps += len(counts)
+    stats.drafted_tokens += (tree.num_nodes - 1) * len(counts)
+    stats.accepted_tokens += sum(counts) - len(counts)
     missing = tree.max_depth - len(stats.accepted_per_depth)
     stats.accepted_per_depth += [0] * max(missing, 0)
-    for accepted in accepted_drafts:
-        for depth in range(accepted):
-            stats.accepted_per_depth[depth] += 1
+    for count, rows in Counter(counts).items():  # a handful of distinct counts, not one loop per row
+        for depth in range(count - 1):
+            stats.accepted_per_depth[depth] += rows
 
 
 def _tree_label(tree: TreeSpec) -> str:

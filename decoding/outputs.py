@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 @dataclass
@@ -40,8 +41,16 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None
-    token_ids: list[int]  # all output tokens so far
+    # The sequence's own output list, which keeps growing, and how much of it this output covers:
+    # copying every output's tokens every step would cost O(length) per sequence per step.
+    _output_ids: list[int] = field(repr=False, compare=False)
+    _num_tokens: int
     text: str
     stats: RequestStats
     index: int = 0  # which of the request's n completions
     new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when asked for
+
+    @cached_property
+    def token_ids(self) -> list[int]:
+        """All output tokens up to this output (a copy, made when first read)."""
+        return self._output_ids[:self._num_tokens]

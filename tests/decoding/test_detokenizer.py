@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from medusa.decoding.detokenizer import IncrementalDetokenizer
+from medusa.decoding.detokenizer import IncrementalDetokenizer, _decoder
 
 TEXT = ("Héllo wörld! 你好，世界。 Emoji: 🦊🚀 — «quotes» and math: ∑ x² ≤ 10.\n"
         "def f(x):\n    return x ** 2  # ünïcode\n") * 3
@@ -35,6 +35,20 @@ def test_random_tokens_give_the_text_of_one_decode(tokenizer, seed):
     detok, released = feed(tokenizer, ids, seed)
     whole = tokenizer.decode(ids, skip_special_tokens=True)
     assert detok.text == whole and released == whole
+
+
+def test_the_short_decode_path_gives_the_tokenizers_text(default_model_dir, tokenizer):
+    """The default tokenizer is decoded by the Rust tokenizer directly: the text must be decode()'s."""
+    from transformers import AutoTokenizer
+
+    decode = _decoder(tokenizer)
+    assert decode.func == tokenizer.backend_tokenizer.decode  # the short path is taken
+    rng = random.Random(0)
+    for n in (1, 2, 3, 8, 50):  # special tokens included: both must skip them
+        ids = [rng.randrange(len(tokenizer)) for _ in range(n)] + [tokenizer.eos_token_id]
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+    cleaning = AutoTokenizer.from_pretrained(str(default_model_dir), clean_up_tokenization_spaces=True)
+    assert _decoder(cleaning).func == cleaning.decode  # the wrapper does more there: keep it
 
 
 def test_multibyte_text_streams_exactly(tokenizer):

@@ -197,3 +197,32 @@ def test_streamed_text_adds_up_to_the_decoded_tokens(tiny):
     for rid, out in final.items():
         assert streamed[rid] == out.text == _Letters().decode(out.token_ids), rid
     assert "b" not in final["1"].text
+
+
+def test_every_output_keeps_the_tokens_it_was_made_with(tiny):
+    """RequestOutput.token_ids is copied from the sequence only when read: read after the run, every
+    output must still hold exactly the tokens emitted up to it, however the sequence grew since."""
+    model, heads = tiny
+    ps = prompts(6, seed=8)
+    free = batch1(model, ps[0], 12)
+    params = [SamplingParams(max_tokens=12, stop_token_ids=(free[6],)), SamplingParams(max_tokens=25),
+              SamplingParams(max_tokens=3), SamplingParams(max_tokens=25, temperature=1.0, seed=1),
+              SamplingParams(max_tokens=25, min_tokens=10), SamplingParams(max_tokens=1)]
+    engine = make_engine(model, heads)
+    ids = [engine.add_request(p, sp) for p, sp in zip(ps, params)]
+    outputs = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    assert engine.totals.accepted_tokens > 0  # some steps emitted several tokens
+    per_depth = [0] * len(engine.totals.accepted_per_depth)
+    for rid, outs in outputs.items():
+        so_far = []
+        for out in outs:
+            so_far += out.new_token_ids
+            assert out.token_ids == so_far, rid
+        assert outs[-1].finished and not any(out.finished for out in outs[:-1])
+        for depth, n in enumerate(outs[-1].stats.accepted_per_depth):
+            per_depth[depth] += n
+    assert outputs[ids[0]][-1].token_ids == free[:free.index(free[6])]  # cut at the stop token
+    assert per_depth == engine.totals.accepted_per_depth  # the batch's count equals the sequences' counts
