@@ -201,16 +201,15 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def _launch_config(block_m: int, block_n: int, head_dim: int, elem_bytes: int) -> dict:
     """num_warps / num_stages for the attention kernel on Hopper-class GPUs (ignored by the interpreter).
 
-    A [64, 128] (or larger) fp32 accumulator takes 64 registers a thread with 4 warps
-    (128 at D=256, which spills), plus 32 for the [64, 64] scores: 8 warps halve both and
-    put more threads to work on issuing the gathered K/V loads. Software pipelining keeps num_stages K and V chunks
-    ([BLOCK_N, D] each) in shared memory; 3 stages where that fits well under the ~227 KiB
-    an SM offers (bf16/fp16 up to D=128), fewer for wide fp32 / D=256 chunks.
+    Measured on an H200 (RESULTS.md, session 4: batch 32, 64 tree tokens, 8 KV heads of 128, bf16):
+    4 warps ran 1.5-2x faster than 8 at every stage count (0.56 against 1.16 ms at 4096 keys),
+    and 4 stages beat 3 (0.56 against 0.60 ms; 0.15 against 0.18 ms at 512 keys). Software
+    pipelining keeps num_stages K and V chunks ([BLOCK_N, D] each) in shared memory, so wide
+    fp32 or D=256 chunks get fewer stages to stay well under the ~227 KiB an SM offers.
     """
-    num_warps = 8 if block_m * head_dim >= 64 * 128 else 4
     stage_bytes = 2 * block_n * head_dim * elem_bytes  # one K and one V chunk
-    num_stages = max(1, min(3, (160 * 1024) // stage_bytes))
-    return dict(num_warps=num_warps, num_stages=num_stages)
+    num_stages = max(1, min(4, (160 * 1024) // stage_bytes))
+    return dict(num_warps=4, num_stages=num_stages)
 
 
 def _pick_splits(programs: int, max_keys: int, block_n: int, q: torch.Tensor) -> int:
