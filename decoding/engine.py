@@ -35,7 +35,7 @@ from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import Scheduler, SchedulerConfig, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
-from medusa.decoding.tree_policy import TreePolicy
+from medusa.decoding.tree_policy import TreePolicy, unmeasured_prior
 from medusa.decoding.verifier import AcceptanceConfig, verify
 from medusa.heads import MedusaHeads
 from medusa.model import DecoderModel
@@ -156,17 +156,20 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.usage, self.totals)
 
     def warmup(self, context: int = 512) -> dict[int, str]:
-        """Capture the prefill and decode steps' CUDA graphs and, where the heads carry measured
-        accuracies, let the measured tree policy (`tree_policy.py`) pick each batch
-        size's tree. A no-op on the CPU. Returns bucket -> chosen tree name.
+        """Capture the prefill and decode steps' CUDA graphs and, with heads, let the measured
+        tree policy (`tree_policy.py`) pick each batch size's tree: its prior comes from the
+        heads' measured accuracies, or a cautious guess for heads that carry none. A no-op
+        on the CPU. Returns bucket -> chosen tree name.
         """
         step = self.runner.decode
         if not step.use_graphs:
             return {}
         self.runner.prefill.capture_all()
         buckets = sorted({step.bucket(b) for b in range(1, self.config.scheduler.max_num_seqs + 1)})
-        accuracies = self.heads.config.accuracies if self.heads is not None else None
-        if not accuracies:  # the token budget rule stays: capture what it can reach
+        accuracies = None
+        if self.heads is not None:
+            accuracies = self.heads.config.accuracies or unmeasured_prior(self.heads.config.num_heads)
+        if not accuracies:  # plain decoding only: capture the single-node step
             for bucket in buckets:
                 step.capture(self._device_tree(self.scheduler.tree_for(bucket)), bucket)
             return {b: _tree_label(self.scheduler.tree_for(b)) for b in buckets}

@@ -34,6 +34,15 @@ WALL_EMA = 0.25  # weight of the newest step in a tree's running wall time
 REVISIT_STEPS = 200  # plain steps at a batch size before its best speculative tree runs one step again
 
 
+def unmeasured_prior(num_heads: int, ranks: int = 10) -> list[list[float]]:
+    """A cautious stand-in [num_heads][ranks] for heads that carry no measured accuracies
+    (converted from elsewhere, or random): rank r of head h is right with 0.3 * 0.6^h * 0.5^r.
+    Worth only PRIOR_STEPS sequence-steps, so what the engine observes soon replaces it; on
+    random heads speculation then loses to plain decoding on the clock and stops.
+    """
+    return [[0.3 * 0.6 ** h * 0.5 ** r for r in range(ranks)] for h in range(num_heads)]
+
+
 class TreePolicy:
     def __init__(self) -> None:
         self.prior: dict[TreeSpec, float] = {}  # predicted accepted length per tree

@@ -81,3 +81,25 @@ def test_a_wall_time_of_a_tree_is_kept_per_batch_size():
     timed(engine.policy, 8, trees[1], 1.0)
     assert engine.scheduler.tree_for(8) is trees[1]
     assert engine.scheduler.tree_for(1) is trees[4]  # batch 1 has its own (graph) costs
+
+
+def test_heads_without_accuracies_get_a_cautious_prior_that_observation_overrides():
+    """Random heads (no measured accuracies) start from the stand-in prior; once the trees
+    are seen to accept nothing, plain decoding wins on equal costs."""
+    from medusa.decoding.tree_policy import unmeasured_prior
+
+    prior = unmeasured_prior(4)
+    assert len(prior) == 4 and all(len(row) == 10 for row in prior)
+    assert all(0 < a < 0.31 for row in prior for a in row)
+    assert all(row[0] > row[1] for row in prior) and all(prior[h][0] > prior[h + 1][0] for h in range(3))
+    costs = {1: 1.0, 4: 1.02, 64: 1.1}
+    engine, trees = engine_with_costs({1: costs}, {})
+    policy = engine.policy
+    for n in costs:
+        assert policy.add_prior(trees[n], prior)
+    assert policy.expected_length(trees[64]) > policy.expected_length(trees[4]) > 1.0
+    assert engine.scheduler.tree_for(1) is trees[64]  # the guess is worth trying...
+    for n, seconds in costs.items():
+        policy.observe(trees[n], 1000, 1000)  # ...but nothing is ever accepted
+        timed(policy, 1, trees[n], seconds)
+    assert engine.scheduler.tree_for(1) is trees[1]
