@@ -85,7 +85,7 @@ class DecodeStep:
         self.rows, self.base, self.kv_lens, self.query_start, self.slots = self._inputs.split(sizes)
         self.tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=self.device)
         self._host_tables = host_buffer((max_seqs, max_blocks_per_seq), torch.int32, self.device)
-        self.causal = torch.zeros(max_seqs, dtype=torch.bool, device=self.device)
+        self.causal = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)  # [B] 0: every row is a tree
         self.sampled = torch.zeros(max_seqs, dtype=torch.bool, device=self.device)  # [B] row samples
         self.temperature = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
         self.top_k = torch.zeros(max_seqs, **long)

@@ -67,7 +67,7 @@ class ModelRunner:
         self.cache.step = StepMetadata(
             slot_mapping=as_t(batch.slots), block_tables=as_t(batch.tables, torch.int32),
             kv_lens=as_t(batch.kv_lens), query_start=as_t(batch.query_start),
-            causal=torch.ones(batch.num_seqs, dtype=torch.bool, device=self.device),
+            causal=torch.ones(batch.num_seqs, dtype=torch.int32, device=self.device),
             step_bits=torch.zeros(batch.num_tokens, dtype=torch.long, device=self.device),
             max_query_len=batch.max_query_len)
         try:

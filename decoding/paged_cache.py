@@ -24,7 +24,9 @@ class StepMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, -1 padded
     kv_lens: torch.Tensor  # [B] KV entries per sequence after this step's writes
     query_start: torch.Tensor  # [B + 1] cu_seqlens of the step tokens
-    causal: torch.Tensor  # [B] bool: prompt chunk (causal) or tree (step_bits)
+    # [B] int32 (bool accepted): 1 = prompt chunk (causal), 0 = tree (step_bits). int32 is what the
+    # kernel reads: a bool tensor would be cast in every layer, one more launch per layer per step.
+    causal: torch.Tensor
     step_bits: torch.Tensor  # [T] int64 ancestor bits within the sequence's step tokens
     max_query_len: int = 64  # host-side bound on any sequence's step tokens (sizes the kernel grid)
 

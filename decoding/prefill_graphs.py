@@ -87,7 +87,7 @@ class PrefillGraphs:
         self._inputs = torch.zeros(sum(sizes), dtype=torch.long, device=self.device)
         self.input_ids, self.positions, self.slots, self.kv_lens, self.query_start = self._inputs.split(sizes)
         self.tables = torch.zeros(max_seqs, table_width, dtype=torch.int32, device=self.device)
-        self.causal = torch.ones(max_seqs, dtype=torch.bool, device=self.device)
+        self.causal = torch.ones(max_seqs, dtype=torch.int32, device=self.device)  # [S] 1: every row is a prompt chunk
         self.step_bits = torch.zeros(t, dtype=torch.long, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._uploaded: torch.cuda.Event | None = None  # recorded after the last upload

@@ -38,7 +38,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               block_tables: torch.Tensor, kv_lens: torch.Tensor, query_start: torch.Tensor,
                               causal: torch.Tensor, step_bits: torch.Tensor, block_size: int,
                               scale: float | None = None) -> torch.Tensor:
-    """-> out [T, Hq, D]; see the module docstring for the layout. causal [B] bool."""
+    """-> out [T, Hq, D]; see the module docstring for the layout. causal [B] bool or int32 (1 = causal)."""
     out = torch.empty_like(q)
     starts, lens = query_start.tolist(), kv_lens.tolist()
     for b in range(block_tables.shape[0]):

@@ -158,13 +158,15 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, kv_lens: torch.Tensor, query_start: torch.Tensor,
                            causal: torch.Tensor, step_bits: torch.Tensor, block_size: int,
                            max_query_len: int, scale: float | None = None,
-                           out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, num_splits: int | None = None,
+                           launch: dict | None = None) -> torch.Tensor:
     """Checked wrapper: shapes, dtypes and strides, then one launch (two with split KV) for the batch.
 
     max_query_len: an upper bound on any sequence's step tokens (sizes the grid
     without reading query_start back to the host). num_splits: programs per
     (sequence, KV head, row tile) along the keys; None picks enough to fill the
     GPU from the host-known shapes alone, so the choice is fixed under a CUDA graph.
+    launch: num_warps / num_stages instead of `_launch_config`'s (benchmarks/kernels.py --launch-sweep).
     """
     _check(q, k_cache, v_cache, block_tables, kv_lens, query_start, causal, step_bits, block_size)
     num_seqs = block_tables.shape[0]
@@ -186,11 +188,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     grid = (tiles, num_kv_heads * num_splits, num_seqs)
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, kv_lens, query_start, causal.to(torch.int32),
+        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, kv_lens, query_start, causal.to(torch.int32),  # no-op (no launch) for int32
         step_bits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale * _LOG2E,  # softmax in exp2: scores (and stored maxima) in log2 units
         NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        **_launch_config(block_m, block_n, head_dim, q.element_size()),
+        **(launch or _launch_config(block_m, block_n, head_dim, q.element_size())),
     )
     if num_splits > 1 and q.shape[0]:
         _merge_splits_kernel[(q.shape[0], num_heads)](out, part_acc, part_ml, out.stride(0), out.stride(1),
@@ -239,6 +241,8 @@ def _check(q, k_cache, v_cache, block_tables, kv_lens, query_start, causal, step
     b = block_tables.shape[0]
     if kv_lens.shape != (b,) or query_start.shape != (b + 1,) or causal.shape != (b,):
         raise ValueError("kv_lens [B], query_start [B + 1] and causal [B] must match block_tables [B, max_blocks]")
+    if causal.dtype not in (torch.bool, torch.int32):
+        raise ValueError(f"causal must be bool or int32 [B], got {causal.dtype}")
     if step_bits.shape != (q.shape[0],) or step_bits.dtype != torch.int64:
         raise ValueError("step_bits must be int64 [T]")
     if block_tables.dtype != torch.int32:

@@ -148,3 +148,16 @@ def test_write_and_move_kernels_match_reference():
     move_kv_triton(*caches, src, dst)
     move_kv_reference(*ref, src, dst)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+
+
+def test_int32_causal_flags_match_bool_ones():
+    """The engine passes causal as int32 (no cast per layer); the result must not depend on it."""
+    batch, max_q = random_batch(11, [9, "tree-8"], 30, 4, 2, 64, 16, torch.float32)
+    as_bool = paged_attention_triton(**batch, block_size=16, max_query_len=max_q)
+    as_int = paged_attention_triton(**(batch | {"causal": batch["causal"].to(torch.int32)}), block_size=16,
+                                    max_query_len=max_q)
+    assert torch.equal(as_bool, as_int)
+    reference = paged_attention_reference(**(batch | {"causal": batch["causal"].to(torch.int32)}), block_size=16)
+    assert torch.allclose(as_int, reference, atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="causal must be bool or int32"):
+        paged_attention_triton(**(batch | {"causal": batch["causal"].float()}), block_size=16, max_query_len=max_q)
