@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py --out out/kernels                 # GPU, full size
     python benchmarks/kernels.py --quick --out out/kernels-quick   # CPU smoke run (CI)
+    python benchmarks/kernels.py --launch-sweep --skip-steps --out out/sweep   # GPU: attention launch settings
 
 1. Tree attention over paged KV (batch 32, 64 tree tokens, 8 KV heads of 128,
    32 query heads by default) at growing contexts: achieved KV read bandwidth,
@@ -9,6 +10,8 @@
 2. One engine forward (random weights in a real model's shape) for B sequences
    x N tree tokens, N from 1 to 128: the curve the scheduler's tree budget uses.
    On a GPU the forward is captured as a CUDA graph, as the engine runs it.
+3. With --launch-sweep (GPU only): the attention of 1. at 512 and 4096 keys under
+   num_warps 4 / 8 and num_stages 1-4, the data behind `_launch_config`.
 Writes results.json and, with matplotlib, kernels.png.
 """
 
@@ -64,7 +67,7 @@ def paged_batch(batch: int, context: int, tree: int, hq: int, hkv: int, d: int, 
     return dict(q=torch.randn(batch * tree, hq, d, dtype=dtype, device=device), k_cache=k, v_cache=torch.randn_like(k),
                 block_tables=tables, kv_lens=torch.full((batch,), context, device=device),
                 query_start=torch.arange(batch + 1, device=device) * tree,
-                causal=torch.zeros(batch, dtype=torch.bool, device=device), step_bits=bits)
+                causal=torch.zeros(batch, dtype=torch.int32, device=device), step_bits=bits)  # as the engine passes it
 
 
 def _chain_bits(i: int) -> int:
@@ -85,6 +88,24 @@ def attention_curve(args, device, dtype) -> list[dict]:
         seconds = timed(fn, args.repeats, device)
         kv_bytes = 2 * args.batch * context * args.kv_heads * args.head_dim * batch["k_cache"].element_size()
         rows.append({"context": context, "seconds": seconds, "kv_gb_s": kv_bytes / seconds / 1e9})
+    return rows
+
+
+def launch_sweep(args, device, dtype) -> list[dict]:
+    """Tree attention under each (num_warps, num_stages): milliseconds and KV read rate."""
+    from medusa.kernels.paged_attention_triton import paged_attention_triton
+
+    rows = []
+    for context in (512, 4096):
+        batch = paged_batch(args.batch, context, args.tree, args.q_heads, args.kv_heads, args.head_dim, dtype, device)
+        kv_bytes = 2 * args.batch * context * args.kv_heads * args.head_dim * batch["k_cache"].element_size()
+        for warps in (4, 8):
+            for stages in (1, 2, 3, 4):
+                launch = dict(num_warps=warps, num_stages=stages)
+                seconds = timed(lambda: paged_attention_triton(**batch, block_size=16, max_query_len=args.tree,
+                                                               launch=launch), args.repeats, device)
+                rows.append({"context": context, **launch, "seconds": seconds, "kv_gb_s": kv_bytes / seconds / 1e9})
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -167,8 +188,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--skip-attention", action="store_true", help="only the step-cost curve")
+    p.add_argument("--skip-steps", action="store_true", help="no step-cost curve")
+    p.add_argument("--launch-sweep", action="store_true", help="attention under each num_warps / num_stages (GPU)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.launch_sweep and device.type != "cuda":
+        p.error("--launch-sweep times the Triton kernel's launch settings: it needs a CUDA device")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     big = not args.quick
     args.contexts = [512, 1024, 2048, 4096] if big else [64, 128]
@@ -179,7 +204,9 @@ def main() -> None:
     shape = args.shape if big else "tiny (quick)"
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shape": shape,
                "dtype": str(dtype), "copy_gb_s": copy_bandwidth(device, 1024 if big else 16) / 1e9,
-               "attention": [] if args.skip_attention else attention_curve(args, device, dtype), "steps": step_curve(args, device, dtype)}
+               "attention": [] if args.skip_attention else attention_curve(args, device, dtype),
+               "steps": [] if args.skip_steps else step_curve(args, device, dtype),
+               "launch_sweep": launch_sweep(args, device, dtype) if args.launch_sweep else []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))

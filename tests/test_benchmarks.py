@@ -50,7 +50,15 @@ def test_kernels_quick(tmp_path):
     results = run("kernels.py", tmp_path)
     assert [r["context"] for r in results["attention"]] == [64, 128]
     assert {(r["batch"], r["tree_tokens"]) for r in results["steps"]} == {(1, 1), (1, 4), (2, 1), (2, 4)}
-    assert all(r["seconds"] > 0 for r in results["steps"])
+    assert all(r["seconds"] > 0 for r in results["steps"]) and results["launch_sweep"] == []
+
+
+def test_kernels_launch_sweep_needs_a_gpu(tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("on a GPU the sweep runs")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--launch-sweep", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "needs a CUDA device" in done.stderr
 
 
 def test_serving_quick(default_model_dir, tmp_path):
