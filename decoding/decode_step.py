@@ -111,12 +111,13 @@ class DecodeStep:
         self._free_rows.append(row)
 
     @torch.inference_mode()
-    def set_state(self, row: int, root: int, last_hidden: torch.Tensor) -> None:
-        """A sequence's pending root and the heads' top-k at its last token (hidden [H])."""
-        self.roots[row] = root
+    def set_states(self, rows: list[int], roots: list[int], last_hidden: torch.Tensor) -> None:
+        """Sequences' pending roots and the heads' top-k at their last tokens (hidden [n, H]), in one go."""
+        at = torch.tensor(rows, device=self.device)
+        self.roots[at] = torch.tensor(roots, device=self.device)
         if self.heads is not None and self.kmax:
-            logits = self.heads(last_hidden[None], self.model.lm_head.weight)  # [K, 1, V]
-            self.topk[row] = logits[:, 0].topk(self.kmax, dim=-1).indices
+            logits = self.heads(last_hidden, self.model.lm_head.weight)  # [K, n, V]
+            self.topk[at] = logits.topk(self.kmax, dim=-1).indices.transpose(0, 1)  # [n, K, kmax]
 
     # ---- one step ---------------------------------------------------------
 

@@ -209,34 +209,52 @@ class LLMEngine:
         decodes = [item.seq for item in plan.scheduled if not item.is_prefill]
         outputs = []
         if prefills:
-            inputs = self.runner.prepare_prefill(prefills)
-            hidden = self.runner.run(inputs)  # [T, H]
-            for item, start in zip(prefills, inputs.starts):
-                request = self.requests[item.seq.request_id]
-                new = self._after_prefill(request, item.num_tokens, hidden[start:start + item.num_tokens])
-                if new is not None:
-                    outputs.append(self._output(request, new))
+            batch = self.runner.prepare_prefill(prefills)
+            hidden = self.runner.run(batch)  # [T, H]
+            ready = []  # (request, row of its last prompt token in hidden): the prompt is now all cached
+            for item, start in zip(prefills, batch.starts):
+                self.blocks.commit(item.seq, item.num_tokens)
+                if item.seq.num_computed_tokens >= prefill_target(item.seq):
+                    ready.append((self.requests[item.seq.request_id], start + item.num_tokens - 1))
+            if ready:
+                outputs += self._start_decoding(ready, hidden)
         if decodes:
             outputs += self._decode(decodes, self._device_tree(plan.tree))
         return outputs
 
-    def _after_prefill(self, request: _Request, n: int, rows: torch.Tensor) -> list[int] | None:
-        seq = request.seq
-        self.blocks.commit(seq, n)
-        if seq.num_computed_tokens < prefill_target(seq):
-            return None  # more prompt chunks to go
-        request.row = self.runner.decode.acquire_row()
-        if seq.output_token_ids:  # recomputed after preemption: the pending root is already known
-            self.runner.decode.set_state(request.row, seq.output_token_ids[-1], rows[-1])
-            return None
-        raw = self.model.compute_logits(rows[-1:])
+    def _start_decoding(self, ready: list[tuple[_Request, int]], hidden: torch.Tensor) -> list[RequestOutput]:
+        """Sequences whose prompt is now cached get a decode state row, their pending root and the
+        heads' proposals: one lm_head, one argmax, one sync and one heads call for all of them.
+
+        The root is the first output token, except after preemption, when it is already known.
+        """
+        last = hidden[torch.tensor([i for _, i in ready], device=self.device)]  # [n, H]
+        fresh = [k for k, (request, _) in enumerate(ready) if not request.seq.output_token_ids]
+        roots = [request.seq.output_token_ids[-1] if request.seq.output_token_ids else 0 for request, _ in ready]
+        if fresh:
+            raw = self.model.compute_logits(last[fresh])  # [f, V]
+            argmax = raw.argmax(-1).tolist()  # the step's one sync for plain greedy rows
+            for j, k in enumerate(fresh):
+                request = ready[k][0]
+                plain = request.sampling.greedy and not self._needs_host(request)
+                roots[k] = argmax[j] if plain else self._first_token(request, raw[j:j + 1])
+        for request, _ in ready:
+            request.row = self.runner.decode.acquire_row()
+        self.runner.decode.set_states([request.row for request, _ in ready], roots, last)
+        outputs = []
+        for k in fresh:
+            request = ready[k][0]
+            outputs.append(self._output(request, self._append(request, [roots[k]])))
+        return outputs
+
+    def _first_token(self, request: _Request, raw: torch.Tensor) -> int:
+        """Output token 0 from raw logits [1, V], with penalties, the min_tokens ban, sampling, logprobs."""
         logits = self._suppress_eos(request, self._penalize(request, raw), torch.zeros(1, device=self.device))
         sampling = request.sampling
         first = torch.zeros(1, dtype=torch.long, device=self.device)  # output index 0
         root = logits[0].argmax() if sampling.greedy else request.sampler(target_probs(logits, sampling), first)[0]
         self._note_logprobs(request, raw, [int(root)])
-        self.runner.decode.set_state(request.row, int(root), rows[-1])
-        return self._append(request, [int(root)])
+        return int(root)
 
     def _decode(self, seqs: list[Sequence], tree: DeviceTree) -> list[RequestOutput]:
         """One batched verification step for every decoding sequence."""

@@ -226,3 +226,17 @@ def test_every_output_keeps_the_tokens_it_was_made_with(tiny):
             per_depth[depth] += n
     assert outputs[ids[0]][-1].token_ids == free[:free.index(free[6])]  # cut at the stop token
     assert per_depth == engine.totals.accepted_per_depth  # the batch's count equals the sequences' counts
+
+
+def test_prompts_admitted_together_start_as_they_would_alone(tiny):
+    """Several prompts finish prefill in one step and get their first tokens in one batch (plain greedy
+    from one argmax, the others through the host path): each output equals the request run alone."""
+    model, heads = tiny
+    ps = prompts(5, seed=21)
+    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, logprobs=2),
+              SamplingParams(max_tokens=6, min_tokens=4), SamplingParams(max_tokens=6, temperature=0.9, seed=3),
+              SamplingParams(max_tokens=6, presence_penalty=0.5)]
+    alone = [make_engine(model, heads).generate([p], sp)[0] for p, sp in zip(ps, params)]
+    together = make_engine(model, heads).generate(ps, params)
+    for a, t in zip(alone, together):
+        assert t.token_ids == a.token_ids
