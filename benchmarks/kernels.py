@@ -129,9 +129,8 @@ def step_curve(args, device, dtype) -> list[dict]:
             pos = torch.full((batch * tree,), args.step_context, device=device)
 
             def forward():
-                cache.step = meta
                 with torch.inference_mode():
-                    return model.compute_logits(model(ids, pos, cache))
+                    return model.compute_logits(cache.forward(model, ids, pos, meta))
 
             fn = captured(forward) if device.type == "cuda" else forward
             rows.append({"batch": batch, "tree_tokens": tree, "seconds": timed(fn, args.repeats, device)})

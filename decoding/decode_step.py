@@ -230,11 +230,7 @@ class DecodeStep:
         meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
                             kv_lens=self.kv_lens[:padded], query_start=self.query_start[: padded + 1],
                             causal=self.causal[:padded], step_bits=tree.bits.repeat(padded), max_query_len=n)
-        self.cache.step = meta
-        try:
-            hidden = self.model(candidates.flatten(), positions, self.cache)  # [Bp * N, H]
-        finally:
-            self.cache.step = None
+        hidden = self.cache.forward(self.model, candidates.flatten(), positions, meta)  # [Bp * N, H]
         logits = self.model.compute_logits(hidden)  # [Bp * N, V]
         targets = logits.argmax(-1).view(padded, n)
         if sampling:  # lossless sampling: each node's target is a draw; acceptance is then the same test

@@ -350,7 +350,7 @@ class LLMEngine:
         return kept
 
     def _suppress_eos(self, request: _Request, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        banned = sorted(self.eos | set(request.params.stop_token_ids))
+        banned = sorted(request.stop_ids)  # empty with ignore_eos, when suppress_eos bans nothing anyway
         return suppress_eos(request.params, request.seq.num_output_tokens, banned, logits, depths)
 
     def _penalize(self, request: _Request, logits: torch.Tensor, tree: DeviceTree | None = None,

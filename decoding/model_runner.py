@@ -64,13 +64,10 @@ class ModelRunner:
     def run_eager(self, batch: PrefillBatch) -> torch.Tensor:
         """The same forward with the batch's own shapes, no padding, no graph."""
         as_t = lambda a, dtype=torch.long: torch.as_tensor(a, dtype=dtype, device=self.device)  # noqa: E731
-        self.cache.step = StepMetadata(
+        step = StepMetadata(
             slot_mapping=as_t(batch.slots), block_tables=as_t(batch.tables, torch.int32),
             kv_lens=as_t(batch.kv_lens), query_start=as_t(batch.query_start),
             causal=torch.ones(batch.num_seqs, dtype=torch.int32, device=self.device),
             step_bits=torch.zeros(batch.num_tokens, dtype=torch.long, device=self.device),
             max_query_len=batch.max_query_len)
-        try:
-            return self.model(as_t(batch.input_ids), as_t(batch.positions), self.cache)
-        finally:
-            self.cache.step = None
+        return self.cache.forward(self.model, as_t(batch.input_ids), as_t(batch.positions), step)

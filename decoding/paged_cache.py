@@ -46,6 +46,14 @@ class PagedKVCache:
         self.step: StepMetadata | None = None
         self.use_triton = device.type == "cuda" and _triton_available() and block_size >= 16
 
+    def forward(self, model, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
+        """model(input_ids, positions) [T] over this cache with `step`'s slots and masks -> hidden [T, H]."""
+        self.step = step
+        try:
+            return model(input_ids, positions, self)
+        finally:
+            self.step = None
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]"""
         s = self.step

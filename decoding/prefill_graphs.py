@@ -137,14 +137,11 @@ class PrefillGraphs:
 
     def _forward(self, bucket: int) -> torch.Tensor:
         """The model over the static inputs' first `bucket` tokens -> hidden [bucket, H]."""
-        self.cache.step = StepMetadata(
+        step = StepMetadata(
             slot_mapping=self.slots[:bucket], block_tables=self.tables, kv_lens=self.kv_lens,
             query_start=self.query_start, causal=self.causal, step_bits=self.step_bits[:bucket],
             max_query_len=bucket)
-        try:
-            return self.model(self.input_ids[:bucket], self.positions[:bucket], self.cache)
-        finally:
-            self.cache.step = None
+        return self.cache.forward(self.model, self.input_ids[:bucket], self.positions[:bucket], step)
 
     def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         if bucket not in self._graphs:
