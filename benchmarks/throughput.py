@@ -61,6 +61,7 @@ def default_model(device, dtype):
 def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
     """Closed loop: `concurrency` requests stay in flight until every prompt is served."""
     sync()
+    trees_before = engine.stats().steps_per_tree
     queue, finished, in_flight, steps = list(prompts), [], 0, 0
     start = time.perf_counter()
     while queue or in_flight:
@@ -75,9 +76,12 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
     tokens = sum(len(o.token_ids) for o in finished)
     verify_steps = sum(o.stats.steps for o in finished)
     emitted = sum(sum(o.stats.accepted_lengths) for o in finished)
+    trees = engine.stats().steps_per_tree
     return {"requests": len(finished), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
             "engine_steps": steps, "ms_per_step": 1e3 * seconds / steps,
-            "mean_accepted_length": emitted / max(verify_steps, 1)}
+            "mean_accepted_length": emitted / max(verify_steps, 1),
+            "decode_steps_per_tree": {t: n - trees_before.get(t, 0) for t, n in trees.items()
+                                      if n > trees_before.get(t, 0)}}
 
 
 def bench_model(name: str, args, device, dtype) -> list[dict]:

@@ -8,7 +8,9 @@ them:
             of B x N tree tokens over the paged cache, logits, greedy verdict
     (host)  `verifier.verify` for the rows that need it, written into `best`/`next`
     part 2  emitted tokens, KV of accepted paths moved into place, heads at the
-            accepted node -> each row's next root and top-k saved
+            accepted node -> each row's next root and top-k saved (a plain step
+            that the next step will not speculate from skips the heads: with a
+            large vocabulary they cost as much as the rest of part 2)
 
 On CUDA each part is captured once per (batch bucket, tree) as a CUDA graph and
 replayed; the only device-to-host copy of a step is the packed [B, D + 2] result.
@@ -92,6 +94,7 @@ class DecodeStep:
         self.top_p = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
         self.uniforms = torch.zeros(max_seqs, max_tree, dtype=torch.float64, device=self.device)  # [B, D + 1 ...]
         self.sampling_step = False  # whether the prepared step has sampling rows (its own graphs)
+        self.propose_step = True  # whether the prepared step runs the heads for the next one
         self.best = torch.zeros(max_seqs, **long)  # [B] deepest accepted node
         self.next = torch.zeros(max_seqs, **long)  # [B] target token there: the next root
         self.use_graphs = use_graphs and self.device.type == "cuda"
@@ -122,9 +125,14 @@ class DecodeStep:
     # ---- one step ---------------------------------------------------------
 
     def prepare(self, seqs: list, rows: list[int], tree: DeviceTree, blocks: BlockManager,
-                sampling: list[RowSampling | None] | None = None) -> int:
+                sampling: list[RowSampling | None] | None = None, propose: bool = True) -> int:
         """Fill the input buffers for `seqs` (state rows `rows`; `sampling` per row, None = greedy);
-        returns the padded batch size."""
+        returns the padded batch size.
+
+        propose=False (for a plain step) skips the heads, leaving each row's top-k stale: the
+        next step should then not speculate (it would stay correct, but accept little).
+        """
+        self.propose_step = propose
         b, n = len(seqs), tree.num_nodes
         padded = self.bucket(b)
         starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)  # [B]
@@ -167,21 +175,21 @@ class DecodeStep:
         """The padded batch size a step of `batch` sequences runs at."""
         return next(x for x in self.buckets if x >= batch) if self.use_graphs else batch
 
-    def capture(self, tree: DeviceTree, padded: int, sampling: bool = False) -> None:
+    def capture(self, tree: DeviceTree, padded: int, sampling: bool = False, propose: bool = True) -> None:
         """Capture this bucket's graphs now rather than at first use (no-op without graphs)."""
         if self.use_graphs:
-            self._graph(tree, padded, sampling)
+            self._graph(tree, padded, sampling, propose)
 
     @torch.inference_mode()
-    def time_step(self, tree: DeviceTree, padded: int, context: int, num_blocks: int, repeats: int = 5) -> float:
+    def time_step(self, tree: DeviceTree, padded: int, context: int, num_blocks: int, repeats: int = 5,
+                  propose: bool = True) -> float:
         """Median seconds of one captured step of `padded` rows at `context` cached tokens each.
 
         A synthetic batch: rows read real KV blocks (read only) but write only the
         scratch slot and the padding state row, so running sequences are untouched.
         """
-        self.capture(tree, padded)
+        graphs, times = self._graph(tree, padded, False, propose), []
         n, width = tree.num_nodes, self.tables.shape[1]
-        graphs, times = self._graphs[(padded, tree.spec, False)], []
         with self._padding_inputs():
             self.kv_lens[:padded] = min(context, (width - 1) * self.cache.block_size) + n
             self.query_start[: padded + 1] = torch.arange(padded + 1, device=self.device) * n
@@ -201,15 +209,15 @@ class DecodeStep:
         if not self.use_graphs:
             self._last = self._part1(tree, padded, self.sampling_step)
             return self._last
-        graphs = self._graph(tree, padded, self.sampling_step)
+        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step)
         graphs["g1"].replay()
         return graphs["part1"]
 
     def finish(self, tree: DeviceTree, padded: int) -> torch.Tensor:
         """Part 2 -> packed [Bp, D + 2] long on the device: (count, tokens...) per row."""
         if not self.use_graphs:
-            return self._part2(tree, padded, self._last)
-        graphs = self._graph(tree, padded, self.sampling_step)
+            return self._part2(tree, padded, self._last, self.propose_step)
+        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step)
         graphs["g2"].replay()
         return graphs["packed"]
 
@@ -242,14 +250,14 @@ class DecodeStep:
         self.next[:padded] = targets.gather(1, best[:, None]).squeeze(1)
         return _Part1(candidates, hidden, logits)
 
-    def _part2(self, tree: DeviceTree, padded: int, part1: _Part1) -> torch.Tensor:
+    def _part2(self, tree: DeviceTree, padded: int, part1: _Part1, propose: bool = True) -> torch.Tensor:
         n = tree.num_nodes
         best, next_tokens, rows = self.best[:padded], self.next[:padded], self.rows[:padded]
         count, tokens = emitted_tokens(tree, part1.candidates, best, next_tokens)
         src, dst = compaction_slots(tree, self.slots[: padded * n].view(padded, n), best)
         self.cache.move_all(src, dst)
         self.roots[rows] = next_tokens
-        if self.kmax:
+        if self.kmax and (propose or tree.num_nodes > 1):
             at_best = part1.hidden.view(padded, n, -1)[torch.arange(padded, device=self.device), best]  # [Bp, H]
             head_logits = self.heads(at_best, self.model.lm_head.weight)  # [K, Bp, V]
             self.topk[rows] = head_logits.topk(self.kmax, dim=-1).indices.transpose(0, 1)
@@ -257,27 +265,27 @@ class DecodeStep:
 
     # ---- CUDA graphs ------------------------------------------------------
 
-    def _graph(self, tree: DeviceTree, padded: int, sampling: bool) -> dict:
-        key = (padded, tree.spec, sampling)
+    def _graph(self, tree: DeviceTree, padded: int, sampling: bool, propose: bool = True) -> dict:
+        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(tree, padded, sampling)
+            self._graphs[key] = self._capture(tree, padded, sampling, key[3])
         return self._graphs[key]
 
     @torch.inference_mode()
-    def _capture(self, tree: DeviceTree, padded: int, sampling: bool) -> dict:
+    def _capture(self, tree: DeviceTree, padded: int, sampling: bool, propose: bool) -> dict:
         """Warm up on an all-padding batch (touches only the scratch slot and padding row), then capture."""
         with self._padding_inputs():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._part2(tree, padded, self._part1(tree, padded, sampling))
+                    self._part2(tree, padded, self._part1(tree, padded, sampling), propose)
             torch.cuda.current_stream().wait_stream(stream)
             g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(g1, pool=self.pool):
                 part1 = self._part1(tree, padded, sampling)
             with torch.cuda.graph(g2, pool=self.pool):
-                packed = self._part2(tree, padded, part1)
+                packed = self._part2(tree, padded, part1, propose)
         return {"g1": g1, "g2": g2, "part1": part1, "packed": packed}
 
     @contextmanager

@@ -117,6 +117,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.totals = RequestStats()  # over the engine's life, for /metrics
+        self.steps_per_tree: Counter[str] = Counter()  # decode steps per tree label, likewise
         self.policy = TreePolicy()  # filled by warmup() on a GPU
 
     # ---- public API ------------------------------------------------------
@@ -153,7 +154,8 @@ class LLMEngine:
         return bool(subs)
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.usage, self.totals)
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.usage, self.totals,
+                           dict(self.steps_per_tree))
 
     def warmup(self, context: int = 512) -> dict[int, str]:
         """Capture the prefill and decode steps' CUDA graphs and, with heads, let the measured
@@ -178,8 +180,14 @@ class LLMEngine:
                 if tree.num_nodes > 1 and bucket * tree.num_nodes > self.config.max_graph_tokens:
                     continue
                 if self.policy.add_prior(tree, accuracies):
-                    seconds = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks)
+                    # a plain step that stays plain skips the heads: that is its cost; the variant
+                    # with heads (the step before a revisit) is captured now, not mid-run
+                    plain = tree.num_nodes == 1
+                    seconds = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks,
+                                             propose=not plain)
                     self.policy.add_cost(bucket, tree, seconds)
+                    if plain:
+                        step.capture(self._device_tree(tree), bucket)
         self.scheduler.policy = lambda n: self.policy.choose(step.bucket(n))
         return {b: _tree_label(self.policy.choose(b)) for b in buckets}
 
@@ -262,7 +270,8 @@ class LLMEngine:
         step = self.runner.decode
         requests = [self.requests[seq.request_id] for seq in seqs]
         sampling = [self._row_sampling(r, tree) for r in requests]
-        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling)
+        propose = self.policy.proposes(step.bucket(len(seqs)), tree.spec)
+        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose)
         part1 = step.forward(tree, padded)
         self._verify_on_host(requests, tree, part1)
         packed = step.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
@@ -278,6 +287,7 @@ class LLMEngine:
                 self.blocks.commit(seq, count)
             outputs.append(self._output(request, emitted))
         _record(self.totals, tree.spec, counts)  # once for the batch
+        self.steps_per_tree[_tree_label(tree.spec)] += 1
         if padded in self.policy.step_cost:  # the measured policy is on: it learns what steps really cost
             self.policy.observe_step(padded, tree.spec, time.perf_counter() - start)
         return outputs

@@ -25,6 +25,7 @@ class EngineStats:
     num_waiting: int
     kv_usage: float  # fraction of KV blocks referenced
     totals: RequestStats  # drafted / accepted tokens over every finished and running request
+    steps_per_tree: dict[str, int] = field(default_factory=dict)  # decode steps run with each tree
 
 
 @dataclass(frozen=True)

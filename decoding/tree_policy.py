@@ -86,6 +86,21 @@ class TreePolicy:
                  if steps >= TRIAL_STEPS and (tree.num_nodes > 1) == speculative and tree in graph]
         return sum(extra) / len(extra) if extra else 0.0
 
+    def proposes(self, bucket: int, tree: TreeSpec) -> bool:
+        """Whether a step of `tree` at this batch size must run the heads for the next step.
+
+        A speculative step always does. A plain step does only where the next step may
+        speculate: its batch size has timed trees and a revisit is due. Otherwise the heads
+        (with a 128k vocabulary as costly as a tenth of a 1B model's step) are skipped; a row
+        that moves to a speculating batch size then proposes stale tokens for one step, which
+        costs acceptance, never correctness.
+        """
+        if tree.num_nodes > 1 or bucket not in self.step_cost:
+            return True
+        if not any(t.num_nodes > 1 for t in self.step_cost[bucket]):
+            return False
+        return self.plain_run.get(bucket, 0) + 1 >= REVISIT_STEPS
+
     def expected_length(self, tree: TreeSpec) -> float:
         tokens, steps = self.observed.get(tree, (0, 0))
         return (self.prior[tree] * PRIOR_STEPS + tokens) / (PRIOR_STEPS + steps)

@@ -103,3 +103,34 @@ def test_heads_without_accuracies_get_a_cautious_prior_that_observation_override
         policy.observe(trees[n], 1000, 1000)  # ...but nothing is ever accepted
         timed(policy, 1, trees[n], seconds)
     assert engine.scheduler.tree_for(1) is trees[1]
+
+
+def test_plain_steps_skip_the_heads_unless_the_next_step_may_speculate():
+    costs = {1: {1: 1.0, 4: 1.05}, 8: {1: 1.0}}
+    engine, trees = engine_with_costs(costs, {1: 1.0, 4: 1.6})
+    policy = engine.policy
+    assert policy.proposes(1, trees[4])  # a speculative step always proposes for the next one
+    assert policy.proposes(2, trees[1])  # no timed trees at this size (the CPU, say): as before
+    assert not policy.proposes(8, trees[1])  # plain is all this size runs
+    timed(policy, 1, trees[4], 5.0)
+    timed(policy, 1, trees[1], 1.0)
+    assert engine.scheduler.tree_for(1) is trees[1] and not policy.proposes(1, trees[1])
+    for _ in range(REVISIT_STEPS - TRIAL_STEPS - 1):
+        policy.observe_step(1, trees[1], 1.0)
+    assert policy.proposes(1, trees[1])  # the step after this one revisits the tree: it needs proposals
+    policy.observe_step(1, trees[1], 1.0)
+    assert engine.scheduler.tree_for(1) is trees[4]
+
+
+def test_an_engine_settled_on_plain_decoding_skips_the_heads_and_keeps_its_output():
+    engine, trees = engine_with_costs({1: {1: 1.0, 4: 1.05}}, {1: 1.0, 4: 1.6})
+    timed(engine.policy, 1, trees[4], 5.0)
+    timed(engine.policy, 1, trees[1], 1.0)
+    calls = []
+    heads = engine.runner.decode.heads
+    engine.runner.decode.heads = lambda *a: calls.append(1) or heads(*a)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    out = engine.generate([[5, 6, 7]], params)[0]
+    plain = LLMEngine(engine.model, None).generate([[5, 6, 7]], params)[0]
+    assert out.token_ids == plain.token_ids
+    assert out.stats.steps == 23 and calls == [1]  # the first token's proposals only, no decode step's
