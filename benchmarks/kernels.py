@@ -109,7 +109,8 @@ def launch_sweep(args, device, dtype) -> list[dict]:
     return rows
 
 
-def step_curve(args, device, dtype) -> list[dict]:
+def step_curve(args, device, dtype) -> tuple[list[dict], list[dict]]:
+    """(step seconds per batch and tree size, the batch-1 plain step's kernels when --kernel-profile)"""
     hidden, inter, layers, heads, kv_heads, vocab = SHAPES[args.shape]
     if args.quick:
         hidden, inter, layers, heads, kv_heads, vocab = 64, 128, 2, 4, 2, 256
@@ -119,7 +120,7 @@ def step_curve(args, device, dtype) -> list[dict]:
     model = empty_model(config, dtype, device)
     for p in model.parameters():
         p.data.normal_(0, 0.02)
-    rows = []
+    rows, kernels = [], []
     for batch in args.batches:
         pages = batch * (-(-(args.step_context + 128) // 16))
         cache = PagedKVCache(config, pages, 16, dtype, device)
@@ -134,6 +135,29 @@ def step_curve(args, device, dtype) -> list[dict]:
 
             fn = captured(forward) if device.type == "cuda" else forward
             rows.append({"batch": batch, "tree_tokens": tree, "seconds": timed(fn, args.repeats, device)})
+            if args.kernel_profile and batch == 1 and tree == 1 and device.type == "cuda":
+                kernels = kernel_table(fn)
+    return rows, kernels
+
+
+def kernel_table(replay, steps: int = 20) -> list[dict]:
+    """What one replayed step is made of: per kernel name, launches and device microseconds per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            rows.append({"kernel": e.key[:120], "launches": e.count / steps, "us": us / steps})
+    rows.sort(key=lambda r: -r["us"])
+    for r in rows[:25]:
+        print(f"{r['us']:9.1f} us  {r['launches']:6.1f} x  {r['kernel']}", flush=True)
+    total = sum(r["us"] for r in rows), sum(r["launches"] for r in rows)
+    print(f"kernels: {total[1]:.0f} launches, {total[0]:.0f} us of kernel time per step", flush=True)
     return rows
 
 
@@ -158,7 +182,7 @@ def _step_metadata(batch: int, tree: int, context: int, device) -> StepMetadata:
     bits = torch.tensor([_chain_bits(i) for i in range(tree)], device=device).repeat(batch)
     return StepMetadata(slot_mapping=slots, block_tables=tables, kv_lens=torch.full((batch,), context + tree, device=device),
                         query_start=torch.arange(batch + 1, device=device) * tree,
-                        causal=torch.full((batch,), tree > 64, dtype=torch.bool, device=device), step_bits=bits,
+                        causal=torch.full((batch,), int(tree > 64), dtype=torch.int32, device=device), step_bits=bits,
                         max_query_len=tree)
 
 
@@ -189,6 +213,7 @@ def main() -> None:
     p.add_argument("--skip-attention", action="store_true", help="only the step-cost curve")
     p.add_argument("--skip-steps", action="store_true", help="no step-cost curve")
     p.add_argument("--launch-sweep", action="store_true", help="attention under each num_warps / num_stages (GPU)")
+    p.add_argument("--kernel-profile", action="store_true", help="the kernels of a batch-1 plain step (GPU profiler)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.launch_sweep and device.type != "cuda":
@@ -204,13 +229,13 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shape": shape,
                "dtype": str(dtype), "copy_gb_s": copy_bandwidth(device, 1024 if big else 16) / 1e9,
                "attention": [] if args.skip_attention else attention_curve(args, device, dtype),
-               "steps": [] if args.skip_steps else step_curve(args, device, dtype),
                "launch_sweep": launch_sweep(args, device, dtype) if args.launch_sweep else []}
+    results["steps"], results["kernel_profile"] = ([], []) if args.skip_steps else step_curve(args, device, dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "kernels.png")
-    print(json.dumps({k: v for k, v in results.items() if k != "steps"}, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if k not in ("steps", "kernel_profile")}, indent=2))
 
 
 if __name__ == "__main__":
