@@ -17,6 +17,10 @@ import yaml
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "configs" / "train"
 
+# Prompt kinds built from the train split's own texts (training/context_tasks.py), after Spec-Bench's
+# weakest categories: summarization, retrieval-augmented QA, German->English translation, short QA.
+CONTEXT_TASK_KINDS = ("summarize", "rag", "translate", "qa")
+
 
 @dataclass(frozen=True)
 class HeadsSection:
@@ -61,6 +65,10 @@ class DataSection:
     self_prompts: int = 0  # user prompts the base model writes itself (sampled), each then answered greedily
     self_prompt_temperature: float = 1.0
     self_prompt_max_tokens: int = 128  # a user prompt not finished within this many tokens is dropped
+    # Extra train prompts built from the train split's prompts and greedy answers (summaries, documents +
+    # question, translations, short questions), each answered greedily; 0: none. Shared evenly by the kinds.
+    context_tasks: int = 0
+    context_task_kinds: tuple[str, ...] = CONTEXT_TASK_KINDS
     distill_batch_size: int = 256
     holdout_fraction: float = 0.02
     cache_dir: str | None = None  # None: <output_dir>/distill
@@ -71,7 +79,7 @@ class DataSection:
         for key in ("max_new_tokens", "distill_batch_size", "self_prompt_max_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("samples_per_prompt", "self_prompts"):
+        for key in ("samples_per_prompt", "self_prompts", "context_tasks"):
             if getattr(self, key) < 0:
                 raise ValueError(f"data.{key} must be >= 0, got {getattr(self, key)}")
         if self.limit is not None and self.limit < 0:
@@ -84,6 +92,20 @@ class DataSection:
             raise ValueError(f"data.sample_temperature must be >= 0, got {self.sample_temperature}")
         if not self.self_prompt_temperature > 0:  # greedy would write the same prompt every time
             raise ValueError(f"data.self_prompt_temperature must be > 0, got {self.self_prompt_temperature}")
+        object.__setattr__(self, "context_task_kinds", _parse_context_kinds(self.context_task_kinds))
+
+
+def _parse_context_kinds(kinds: Any) -> tuple[str, ...]:
+    """A list of distinct CONTEXT_TASK_KINDS, as a tuple (YAML gives a list; equal configs compare equal)."""
+    if isinstance(kinds, str) or not isinstance(kinds, (list, tuple)):
+        raise ValueError(f"data.context_task_kinds must be a list of kinds ({', '.join(CONTEXT_TASK_KINDS)}), "
+                         f"got {kinds!r}")
+    unknown = [k for k in kinds if k not in CONTEXT_TASK_KINDS]
+    if unknown:
+        raise ValueError(f"data.context_task_kinds: unknown kind(s) {unknown}; known: {', '.join(CONTEXT_TASK_KINDS)}")
+    if not kinds or len(set(kinds)) != len(kinds):
+        raise ValueError(f"data.context_task_kinds must list each kind once and at least one, got {list(kinds)}")
+    return tuple(kinds)
 
 
 def _parse_sources(sources: Any) -> list[SourceSpec]:

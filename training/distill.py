@@ -6,9 +6,12 @@ its own (`data.self_prompts`), which join the file prompts. Prompts are split
 into train and held-out before generation. Train prompts get one greedy
 answer plus their source's number of sampled ones; a `followup_fraction` of
 them continue with a generic second user turn and a second greedy answer (the
-2-turn conversation replaces the 1-turn one). Held-out prompts get one greedy
-answer (greedy decoding is what the held-out acceptance simulation
-reproduces). Self-prompts, train and held-out sequences are cached on disk.
+2-turn conversation replaces the 1-turn one). With `data.context_tasks`, the
+train prompts and greedy answers are then turned into summarize / documents +
+question / translate / short-question prompts (`context_tasks`), answered
+greedily and added to the train split. Held-out prompts get one greedy answer
+(greedy decoding is what the held-out acceptance simulation reproduces).
+Self-prompts, train and held-out sequences are cached on disk.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from medusa.decoding.sampler import SamplingConfig
 from medusa.decoding.static_batch import generate_padded
 from medusa.model import DecoderModel
 from medusa.training.config import DataSection
+from medusa.training.context_tasks import (
+    CONTEXT_RULES, answer_text, back_translation_prompts, build_context_prompts, context_knobs, finished_text,
+    kind_counts, question_starters, written_questions,
+)
 from medusa.training.data import Sequences, load_cached, manifest_for, save_cached
 from medusa.training.prompt_mix import (
     FOLLOWUPS, SELF_PROMPT_RULES, PromptPool, followup_prompt, open_user_turn_ids, pick_followups,
@@ -59,7 +66,7 @@ def generate_many(model: DecoderModel, prompts: Sequence[Sequence[int]], samplin
 def distill_train(model: DecoderModel, tokenizer: Any, conversations: list, prompts: list[list[int]],
                   samples: list[int], settings: DataSection, eos_ids: Sequence[int], seed: int,
                   system_prompt: str | None) -> Sequences:
-    """Greedy answers (some continued by a follow-up turn), then the sampled answers."""
+    """Greedy answers (some continued by a follow-up turn), the sampled answers, then the context tasks'."""
     device = model.embed_tokens.weight.device
     run = dict(max_new_tokens=settings.max_new_tokens, batch_size=settings.distill_batch_size, eos_ids=eos_ids)
     greedy = generate_many(model, prompts, GREEDY, desc="self-distilling (train, greedy)", **run)
@@ -80,8 +87,48 @@ def distill_train(model: DecoderModel, tokenizer: Any, conversations: list, prom
         sampled = generate_many(model, [prompts[i] for i in jobs], hot, generator=generator,
                                 desc="self-distilling (train, sampled)", **run)
         seqs += [prompts[i] + a for i, a in zip(jobs, sampled)]
-    prompt_lengths = [len(p) for p in prompts] + [len(prompts[i]) for i in jobs]
-    return Sequences.from_lists(seqs, prompt_lengths, masks + [None] * len(jobs))
+    context, answers = distill_context_tasks(model, tokenizer, conversations, greedy, settings, eos_ids, seed,
+                                             system_prompt, run)
+    seqs += [p + a for p, a in zip(context, answers)]
+    prompt_lengths = [len(p) for p in prompts] + [len(prompts[i]) for i in jobs] + [len(p) for p in context]
+    return Sequences.from_lists(seqs, prompt_lengths, masks + [None] * (len(jobs) + len(context)))
+
+
+def distill_context_tasks(model: DecoderModel, tokenizer: Any, conversations: list, greedy: list[list[int]],
+                          settings: DataSection, eos_ids: Sequence[int], seed: int, system_prompt: str | None,
+                          run: dict[str, Any]) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, greedy answers) of the context-task prompts built from the train conversations and their
+    greedy answers; the model's finished translations take a second pass, back into English."""
+    if not settings.context_tasks:
+        return [], []
+    counts = kind_counts(settings.context_tasks, settings.context_task_kinds)
+    users = [conversation[-1]["content"] for conversation in conversations]
+    written = write_short_questions(model, tokenizer, counts.get("qa", 0), seed, system_prompt, eos_ids,
+                                    settings.distill_batch_size)
+    texts = [answer_text(tokenizer, a, eos_ids) for a in greedy]
+    first = build_context_prompts(tokenizer, users, texts, counts, seed, written)
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p.text}], system_prompt) for p in first]
+    answers = generate_many(model, prompts, GREEDY, desc="self-distilling (context tasks)", **run)
+    outputs = [finished_text(tokenizer, a, eos_ids) for a in answers]
+    back = back_translation_prompts(first, outputs, counts.get("translate_back", 0), seed)
+    back_prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p.text}], system_prompt) for p in back]
+    answers += generate_many(model, back_prompts, GREEDY, desc="self-distilling (context tasks, into English)", **run)
+    return prompts + back_prompts, answers
+
+
+def write_short_questions(model: DecoderModel, tokenizer: Any, count: int, seed: int, system_prompt: str | None,
+                          eos_ids: Sequence[int], batch_size: int) -> list[str]:
+    """Up to `count` short questions the model writes in a user turn opened with a question word (sampled)."""
+    if not count:
+        return []
+    starters = question_starters(count, seed)
+    prefix = open_user_turn_ids(tokenizer, system_prompt)  # [P] ids ending "<|im_start|>user\n"
+    prompts = [prefix + tokenizer(s, add_special_tokens=False)["input_ids"] for s in starters]
+    generator = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed + 3)
+    outputs = generate_many(model, prompts, SamplingConfig(temperature=CONTEXT_RULES["question_temperature"]),
+                            CONTEXT_RULES["question_max_tokens"], batch_size, eos_ids, generator,
+                            desc="writing short questions")
+    return written_questions(tokenizer, starters, outputs, eos_ids)
 
 
 def write_self_prompts(model: DecoderModel, tokenizer: Any, model_id: str, settings: DataSection, cache_dir: Path,
@@ -107,8 +154,10 @@ def write_self_prompts(model: DecoderModel, tokenizer: Any, model_id: str, setti
 
 
 def distill_knobs(settings: DataSection) -> dict[str, Any]:
-    """Every setting that changes the generated data (the cache manifest's settings)."""
-    knobs = {k: v for k, v in asdict(settings).items() if k not in ("cache_dir", "distill_batch_size")}
+    """Every setting that changes the generated data (the cache manifest's settings), but the context
+    tasks' (`context_knobs`): those change only the train split."""
+    skip = ("cache_dir", "distill_batch_size", "context_tasks", "context_task_kinds")
+    knobs = {k: v for k, v in asdict(settings).items() if k not in skip}
     if settings.followup_fraction > 0:
         knobs["followups"] = list(FOLLOWUPS)
     if settings.self_prompts > 0:
@@ -123,8 +172,9 @@ def self_distill(model: DecoderModel, tokenizer: Any, pool: PromptPool, model_id
                  eos_ids: Sequence[int]) -> tuple[Sequences, Sequences]:
     """(train, held-out) sequences, from the cache when model, files and settings match."""
     knobs = {**distill_knobs(settings), "seed": seed, "system_prompt": system_prompt}
-    manifests = {split: manifest_for(model_id, pool.sources, {**knobs, "split": split}, len(pool.conversations))
-                 for split in ("train", "heldout")}
+    only = {"train": context_knobs(settings), "heldout": {}}  # held-out keeps its cache when context tasks change
+    manifests = {split: manifest_for(model_id, pool.sources, {**knobs, **only[split], "split": split},
+                                     len(pool.conversations)) for split in ("train", "heldout")}
     cached = {split: load_cached(cache_dir / split, manifest) for split, manifest in manifests.items()}
     if all(v is not None for v in cached.values()):
         return cached["train"], cached["heldout"]
