@@ -6,17 +6,10 @@ first (they hold users' streams), then unfinished prompt chunks, then new
 requests in arrival order, all under `max_num_batched_tokens` and
 `max_num_seqs`. When blocks run out, the newest running sequence is preempted:
 its blocks are freed and it re-enters the queue to be recomputed later.
-
-While sequences decode, a new prompt may wait a few steps for others to join
-it: prompts run in their own forward, which reads every weight once, so
-prompts admitted one by one (Medusa's requests finish at scattered steps) cost
-a weight read each. TGI's `max_waiting_tokens` / `waiting_served_ratio` trade
-a little time to first token for the same saving.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -34,18 +27,10 @@ class SchedulerConfig:
     # cost stays near a plain step's while batch x tree size is under this, so
     # larger batches get smaller trees, down to the single node.
     max_tree_tokens: int = 256
-    # While sequences decode, new prompts wait until admit_batch_fraction x running of them queue
-    # (to share one prefill forward), or the oldest has waited max_admit_delay_steps; 0: at once.
-    max_admit_delay_steps: int = 8
-    admit_batch_fraction: float = 0.125
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
-        if self.max_admit_delay_steps < 0:
-            raise ValueError(f"max_admit_delay_steps must be >= 0, got {self.max_admit_delay_steps}")
-        if not 0 <= self.admit_batch_fraction <= 1:
-            raise ValueError(f"admit_batch_fraction must be in [0, 1], got {self.admit_batch_fraction}")
 
 
 @dataclass(frozen=True)
@@ -79,19 +64,15 @@ class Scheduler:
         self.running: list[Sequence] = []
         # batch size -> tree, measured by the engine on the device (LLMEngine.warmup); None: the token budget
         self.policy: Callable[[int], TreeSpec] | None = None
-        self.steps = 0  # schedule() calls so far: the clock of admission delays
-        self.queued_at: dict[Sequence, int] = {}  # new request -> the step it arrived at
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        self.queued_at[seq] = self.steps
 
     def abort(self, request_id: str) -> Sequence | None:
         for queue in (self.running, self.waiting):
             for seq in list(queue):
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self.queued_at.pop(seq, None)
                     self.blocks.free(seq)
                     return seq
         return None
@@ -119,7 +100,6 @@ class Scheduler:
         return fitting[-1] if fitting else self.trees[0]
 
     def schedule(self) -> SchedulerOutput:
-        self.steps += 1
         budget = self.config.max_num_batched_tokens
         targets = [prefill_target(s) for s in self.running]  # computed per sequence once, used twice
         num_decoding = sum(s.num_computed_tokens >= t for s, t in zip(self.running, targets))
@@ -139,7 +119,7 @@ class Scheduler:
                 break
             scheduled.append(ScheduledSeq(seq, need, is_prefill))
             budget -= need
-        if not preempted and not self._hold_prompts():  # memory is short: admitting now would only thrash
+        if not preempted:  # memory is short: admitting now would only thrash
             self._admit(scheduled, budget)
         return SchedulerOutput(scheduled, tree, preempted)
 
@@ -156,20 +136,6 @@ class Scheduler:
                 return False
         return True
 
-    def _hold_prompts(self) -> bool:
-        """Whether the waiting prompts should wait for more to share their prefill forward:
-        only while others decode, fewer than wanted have queued, and none waited too long.
-        A preempted sequence (not in queued_at) is never held."""
-        cfg = self.config
-        if not self.waiting or not self.running or cfg.max_admit_delay_steps == 0:
-            return False
-        arrived = self.queued_at.get(self.waiting[0])
-        if arrived is None or self.steps - arrived >= cfg.max_admit_delay_steps:
-            return False
-        wanted = max(1, math.ceil(cfg.admit_batch_fraction * len(self.running)))
-        room = cfg.max_num_seqs - len(self.running)
-        return len(self.waiting) < min(wanted, room)
-
     def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -178,7 +144,6 @@ class Scheduler:
             if to_compute is None:
                 break
             self.waiting.popleft()
-            self.queued_at.pop(seq, None)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, to_compute, True))

@@ -89,39 +89,3 @@ def test_tree_never_exceeds_the_token_budget():
     mock_step(s, s.schedule())
     plan = s.schedule()
     assert [(i.seq.request_id, i.is_prefill) for i in plan.scheduled] == [("a", False)]
-
-
-def test_new_prompts_wait_a_few_steps_to_share_one_prefill_while_others_decode():
-    config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, max_admit_delay_steps=4,
-                             admit_batch_fraction=0.2)
-    s = Scheduler(config, BlockManager(256, 16, enable_prefix_caching=False), TREES)
-    first = Sequence("first", [1, 2, 3])
-    s.add(first)
-    assert [i.seq for i in s.schedule().scheduled] == [first]  # nothing decodes: admitted at once
-    for i in range(7):
-        s.running.append(Sequence(f"busy{i}", [1]))  # 8 running: wait for ceil(0.2 * 8) = 2 prompts
-    late = Sequence("late", [4, 5])
-    s.add(late)
-    waits = 0
-    while late not in [i.seq for i in s.schedule().scheduled]:
-        waits += 1
-    assert waits == 3  # admitted on its 4th step: max_admit_delay_steps
-    a, b = Sequence("a", [6]), Sequence("b", [7])
-    s.add(a)
-    assert a not in [i.seq for i in s.schedule().scheduled]
-    s.add(b)  # 9 running now: ceil(0.2 * 9) = 2 queued prompts are enough
-    assert {i.seq for i in s.schedule().scheduled if i.is_prefill} >= {a, b}  # two queued: they go together
-    with_no_delay = SchedulerConfig(max_admit_delay_steps=0)
-    s.config = with_no_delay
-    c = Sequence("c", [8])
-    s.add(c)
-    assert c in [i.seq for i in s.schedule().scheduled]
-
-
-def test_admission_delay_settings_are_checked():
-    import pytest
-
-    with pytest.raises(ValueError, match="max_admit_delay_steps"):
-        SchedulerConfig(max_admit_delay_steps=-1)
-    with pytest.raises(ValueError, match="admit_batch_fraction"):
-        SchedulerConfig(admit_batch_fraction=1.5)
