@@ -7,6 +7,12 @@ already chose. The node for path ``p`` sits at depth ``len(p)`` and carries toke
 canonical order (by depth, then lexicographic), so a parent always precedes its
 children and every tensor below can be built in one forward sweep.
 
+A tree may also carry a prompt-lookup chain (``lookup=L``): L more nodes after the
+head nodes, lookup node i at depth i + 1 whose parent is lookup node i - 1 (the
+first's is the root). No head proposes them: the engine fills them with the tokens
+that followed the latest earlier occurrence of the sequence's last few tokens
+(`decoding/prompt_lookup.py`), so the chain may be deeper than the heads reach.
+
 The spec is immutable; its tensors are computed once on first use and shared, so
 callers must not modify them in place.
 """
@@ -25,6 +31,8 @@ import torch
 
 TreePath = tuple[int, ...]
 TREES_DIR = Path(__file__).resolve().parent.parent / "configs" / "trees"
+MAX_NODES = 64  # the engine's kernels pack a node's ancestors into one int64
+LOOKUP_SUFFIX = "+lookup"  # with_lookup names a variant "<name>+lookup<L>"
 
 
 def _canonical_key(path: TreePath) -> tuple[int, TreePath]:
@@ -78,17 +86,23 @@ def _accuracy_table(accuracies: Any) -> torch.Tensor:
 
 @dataclass(frozen=True, repr=False)
 class TreeSpec:
-    """A validated Medusa tree. ``paths`` excludes the root and is stored canonically."""
+    """A validated Medusa tree. ``paths`` excludes the root and is stored canonically;
+    ``lookup`` is the length of the prompt-lookup chain after the head nodes (0: none)."""
 
     paths: tuple[TreePath, ...] = ()
-    # Labels only: two specs with the same paths are the same tree.
+    # Labels only: two specs with the same paths and lookup chain are the same tree.
     name: str | None = field(default=None, compare=False)
     description: str = field(default="", compare=False)
+    lookup: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paths", _canonical_paths(self.paths))
         if self.name is not None and not isinstance(self.name, str):
             raise ValueError(f"tree name must be a string, got {self.name!r}")
+        if not isinstance(self.lookup, numbers.Integral) or isinstance(self.lookup, bool) or self.lookup < 0:
+            raise ValueError(f"lookup (the prompt-lookup chain's length) must be an integer >= 0, "
+                             f"got {self.lookup!r}")
+        object.__setattr__(self, "lookup", int(self.lookup))
 
     # ---- construction -------------------------------------------------------------
 
@@ -107,8 +121,24 @@ class TreeSpec:
             raise ValueError(f"chain length must be >= 0, got {n}")
         return cls(tuple((0,) * d for d in range(1, n + 1)), name=name)
 
+    def with_lookup(self, length: int) -> "TreeSpec":
+        """These head nodes plus a prompt-lookup chain of `length` nodes (0: the plain tree).
+
+        To stay within MAX_NODES, only the first MAX_NODES - length head nodes (root
+        included) are kept: canonical order puts every parent before its children, so
+        a prefix of the paths is still prefix-closed.
+        """
+        if not isinstance(length, numbers.Integral) or isinstance(length, bool) \
+                or not 0 <= length <= MAX_NODES - 1:
+            raise ValueError(f"lookup length must be an integer in [0, {MAX_NODES - 1}], got {length!r}")
+        keep = MAX_NODES - 1 - length  # head paths that fit beside the root and the chain
+        base = self.name.rsplit(LOOKUP_SUFFIX, 1)[0] if self.name and self.lookup else self.name
+        name = f"{base}{LOOKUP_SUFFIX}{length}" if base and length else base
+        return TreeSpec(self.paths[:keep], name=name, description=self.description, lookup=int(length))
+
     def check_heads(self, num_heads: int) -> None:
-        """Raise if some path is deeper than the positions the heads predict."""
+        """Raise if some path is deeper than the positions the heads predict (the lookup
+        chain needs no head and may be deeper)."""
         for p in self.paths:
             if len(p) > num_heads:
                 raise ValueError(
@@ -120,11 +150,21 @@ class TreeSpec:
 
     @property
     def num_nodes(self) -> int:
+        return 1 + len(self.paths) + self.lookup
+
+    @property
+    def first_lookup_node(self) -> int:
+        """Index of the first prompt-lookup node (== num_nodes when there is no chain)."""
         return 1 + len(self.paths)
 
     @property
-    def max_depth(self) -> int:
+    def head_depth(self) -> int:
+        """Depth of the deepest head node: how many heads the tree needs."""
         return len(self.paths[-1]) if self.paths else 0
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.head_depth, self.lookup)
 
     @cached_property
     def _index(self) -> dict[TreePath, int]:
@@ -132,26 +172,31 @@ class TreeSpec:
 
     @cached_property
     def parents(self) -> torch.Tensor:  # [N] long, root -1
-        idx = self._index
-        return torch.tensor([-1] + [idx[p[:-1]] for p in self.paths], dtype=torch.long)
+        idx, first = self._index, self.first_lookup_node
+        chain = [0] + list(range(first, first + self.lookup - 1))  # the root, then the previous lookup node
+        return torch.tensor([-1] + [idx[p[:-1]] for p in self.paths] + chain[: self.lookup], dtype=torch.long)
 
     @cached_property
     def depths(self) -> torch.Tensor:  # [N] long, root 0
-        return torch.tensor([0] + [len(p) for p in self.paths], dtype=torch.long)
+        chain = list(range(1, self.lookup + 1))
+        return torch.tensor([0] + [len(p) for p in self.paths] + chain, dtype=torch.long)
 
     @property
     def position_offsets(self) -> torch.Tensor:  # [N]: a node's position = root position + depth
         return self.depths
 
     @cached_property
-    def ranks(self) -> torch.Tensor:  # [N] long, root 0
-        return torch.tensor([0] + [p[-1] for p in self.paths], dtype=torch.long)
+    def ranks(self) -> torch.Tensor:  # [N] long, root and lookup nodes 0
+        return torch.tensor([0] + [p[-1] for p in self.paths] + [0] * self.lookup, dtype=torch.long)
 
     @cached_property
     def head_index(self) -> torch.Tensor:  # [N] long
-        """Which Medusa head proposes each node's token: depth - 1; the root has -1
-        because its token comes from the base model's LM head, not a Medusa head."""
-        return self.depths - 1
+        """Which Medusa head proposes each node's token: depth - 1; the root and the lookup
+        nodes have -1 because no Medusa head proposes them (the base model's LM head and
+        an n-gram match do)."""
+        index = self.depths - 1
+        index[self.first_lookup_node:] = -1
+        return index
 
     @cached_property
     def attention_mask(self) -> torch.Tensor:  # [N, N] bool, mask[i, j]: j is ancestor-or-self of i
@@ -190,8 +235,8 @@ class TreeSpec:
 
     @cached_property
     def topk_per_depth(self) -> tuple[int, ...]:
-        """For depth d = 1..max_depth, how many top-k candidates head d-1 must supply."""
-        k = [0] * self.max_depth
+        """For depth d = 1..head_depth, how many top-k candidates head d-1 must supply."""
+        k = [0] * self.head_depth
         for p in self.paths:
             k[len(p) - 1] = max(k[len(p) - 1], p[-1] + 1)
         return tuple(k)
@@ -217,7 +262,8 @@ class TreeSpec:
     def expected_accept_length(self, accuracies: Any) -> float:
         """Expected tokens per step: 1 (the root) + sum over nodes of the product of
         per-head marginal accuracies along the node's path (Medusa's independence
-        approximation). accuracies: [num_heads, K] array-like."""
+        approximation). accuracies: [num_heads, K] array-like. The lookup chain is left
+        out: a conservative prior that the engine's observed acceptance corrects."""
         table = _accuracy_table(accuracies)
         num_heads, k = table.shape
         prob = {(): 1.0}
@@ -265,18 +311,22 @@ class TreeSpec:
     # ---- serialisation ------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "description": self.description,
-                "paths": [list(p) for p in self.paths]}
+        """"lookup" appears only for a tree that has a chain, so plain trees keep their files."""
+        d = {"name": self.name, "description": self.description, "paths": [list(p) for p in self.paths]}
+        if self.lookup:
+            d["lookup"] = self.lookup
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TreeSpec":
-        unknown = set(d) - {"name", "description", "paths"}
+        unknown = set(d) - {"name", "description", "paths", "lookup"}
         if unknown:
             raise ValueError(f"unknown tree spec keys {sorted(unknown)}; "
-                             f"expected name, description, paths")
+                             f"expected name, description, paths, lookup")
         if "paths" not in d:
             raise ValueError("tree spec has no 'paths'")
-        return cls(tuple(d["paths"]), name=d.get("name"), description=d.get("description", ""))
+        return cls(tuple(d["paths"]), name=d.get("name"), description=d.get("description", ""),
+                   lookup=d.get("lookup", 0))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(_format_json(self.to_dict()))
@@ -296,21 +346,23 @@ class TreeSpec:
             file = Path(path_or_name)
         spec = cls.from_dict(json.loads(file.read_text()))
         if spec.name is None and is_name:
-            spec = cls(spec.paths, name=text, description=spec.description)
+            spec = cls(spec.paths, name=text, description=spec.description, lookup=spec.lookup)
         return spec
 
     def __repr__(self) -> str:
-        return f"TreeSpec(name={self.name!r}, nodes={self.num_nodes}, depth={self.max_depth})"
+        lookup = f", lookup={self.lookup}" if self.lookup else ""
+        return f"TreeSpec(name={self.name!r}, nodes={self.num_nodes}, depth={self.max_depth}{lookup})"
 
 
 def _format_json(d: dict[str, Any]) -> str:
     """JSON with one path per line: readable and diffable, unlike indent=2's one int per line."""
     paths = ",\n".join(f"    {json.dumps(p)}" for p in d["paths"])
     paths = f"[\n{paths}\n  ]" if paths else "[]"
+    lookup = f',\n  "lookup": {d["lookup"]}' if "lookup" in d else ""
     return ("{\n"
             f'  "name": {json.dumps(d["name"])},\n'
             f'  "description": {json.dumps(d["description"])},\n'
-            f'  "paths": {paths}\n'
+            f'  "paths": {paths}{lookup}\n'
             "}\n")
 
 
