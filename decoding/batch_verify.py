@@ -15,12 +15,18 @@ import torch
 from medusa.decoding.device_tree import DeviceTree
 
 
-def build_candidates(tree: DeviceTree, roots: torch.Tensor, topk: torch.Tensor | None) -> torch.Tensor:
-    """roots [B]; topk [B, K, kmax] the heads' top tokens -> candidates [B, N], root first."""
+def build_candidates(tree: DeviceTree, roots: torch.Tensor, topk: torch.Tensor | None,
+                     lookup: torch.Tensor | None = None) -> torch.Tensor:
+    """roots [B]; topk [B, K, kmax] the heads' top tokens; lookup [B, >= L] n-gram proposals for
+    the tree's L lookup nodes -> candidates [B, N]: root, head nodes, lookup nodes."""
     if tree.num_nodes == 1:
         return roots[:, None]
-    proposals = topk[:, tree.head_index, tree.ranks]  # [B, N - 1]
-    return torch.cat([roots[:, None], proposals], dim=1)
+    parts = [roots[:, None], topk[:, tree.head_index, tree.ranks]]  # [B, 1], [B, Nh]
+    if tree.num_lookup:
+        if lookup is None:
+            raise ValueError(f"tree {tree.spec.name!r} has {tree.num_lookup} prompt-lookup nodes: pass their tokens")
+        parts.append(lookup[:, : tree.num_lookup])  # [B, L]
+    return torch.cat(parts, dim=1)
 
 
 def greedy_verdict(tree: DeviceTree, candidates: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

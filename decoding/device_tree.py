@@ -15,8 +15,9 @@ class DeviceTree:
     mask: torch.Tensor  # [N, N] bool, ancestor-or-self
     depths: torch.Tensor  # [N] long, position offsets
     parents: torch.Tensor  # [N] long, root -1
-    head_index: torch.Tensor  # [N - 1] long, which head proposes each non-root node
-    ranks: torch.Tensor  # [N - 1] long, its rank in that head's top-k
+    head_index: torch.Tensor  # [Nh] long, which head proposes each head node (nodes 1..Nh)
+    ranks: torch.Tensor  # [Nh] long, its rank in that head's top-k
+    num_lookup: int  # L: the last L nodes are the prompt-lookup chain, filled from n-gram matches
     max_topk: int  # how many top-k candidates the deepest-needed head must give
     bits: torch.Tensor | None  # [N] int64 ancestor bits (the kernels' tree mask); None past 64 nodes
     paths: torch.Tensor  # [N, D + 1] long: node i's ancestor at each depth (i itself past its depth)
@@ -28,8 +29,9 @@ class DeviceTree:
             mask=spec.attention_mask.to(device),
             depths=spec.depths.to(device),
             parents=spec.parents.to(device),
-            head_index=spec.head_index[1:].to(device),
-            ranks=spec.ranks[1:].to(device),
+            head_index=spec.head_index[1:spec.first_lookup_node].to(device),
+            ranks=spec.ranks[1:spec.first_lookup_node].to(device),
+            num_lookup=spec.lookup,
             max_topk=max(spec.topk_per_depth, default=0),
             bits=spec.ancestor_bits.to(device) if spec.num_nodes <= 64 else None,
             paths=_paths(spec).to(device),
@@ -38,6 +40,11 @@ class DeviceTree:
     @property
     def num_nodes(self) -> int:
         return self.spec.num_nodes
+
+    @property
+    def first_lookup_node(self) -> int:
+        """Nodes from here on are the lookup chain (== num_nodes without one)."""
+        return self.spec.first_lookup_node
 
 
 def _paths(spec: TreeSpec) -> torch.Tensor:

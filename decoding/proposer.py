@@ -2,7 +2,8 @@
 
 A node at depth d with rank r takes head (d-1)'s r-th most likely token; all
 nodes of one depth draw from the same head, independent of their parent, as in
-Medusa. A proposer is any callable with the `Proposer` signature, which lets
+Medusa. This batch-1 proposer keeps no n-gram index: a tree's prompt-lookup
+nodes (the engine fills them) get the root's token, which costs acceptance only. A proposer is any callable with the `Proposer` signature, which lets
 tests plug in an oracle that knows the right answer.
 """
 
@@ -27,6 +28,6 @@ def propose_from_heads(tree: DeviceTree, root: torch.Tensor, head_logits: torch.
                        generated: list[int]) -> torch.Tensor:
     if tree.num_nodes == 1:
         return root.view(1)
-    needed = head_logits[: tree.spec.max_depth]  # [D, V]
+    needed = head_logits[: tree.spec.head_depth]  # [D, V]
     top = torch.topk(needed, tree.max_topk, dim=-1).indices  # [D, max_topk]
-    return torch.cat([root.view(1), top[tree.head_index, tree.ranks]])
+    return torch.cat([root.view(1), top[tree.head_index, tree.ranks], root.view(1).expand(tree.num_lookup)])

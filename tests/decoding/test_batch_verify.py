@@ -10,10 +10,12 @@ from medusa.decoding.verifier import AcceptanceConfig, verify
 from medusa.tree import TreeSpec
 
 
-@pytest.mark.parametrize("name", ["single", "tree-4", "tree-16", "tree-64"])
-def test_batched_greedy_equals_per_row_verify(name):
-    tree = DeviceTree.from_spec(TreeSpec.load(name), torch.device("cpu"))
-    g = torch.Generator().manual_seed(len(name))
+@pytest.mark.parametrize("name,lookup", [("single", 0), ("tree-4", 0), ("tree-16", 0), ("tree-64", 0),
+                                         ("tree-4", 6), ("tree-64", 5)])
+def test_batched_greedy_equals_per_row_verify(name, lookup):
+    """With a lookup chain too (tree-4's is deeper than its heads; tree-64's is cut to 64 nodes)."""
+    tree = DeviceTree.from_spec(TreeSpec.load(name).with_lookup(lookup), torch.device("cpu"))
+    g = torch.Generator().manual_seed(len(name) + lookup)
     batch, vocab, n = 6, 5, tree.num_nodes  # tiny vocab: many children match, so paths go deep
     candidates = torch.randint(0, vocab, (batch, n), generator=g)
     logits = torch.randn(batch, n, vocab, generator=g)
@@ -40,6 +42,31 @@ def test_candidates_take_each_depths_head_and_rank():
     assert build_candidates(tree, torch.tensor([7]), topk).tolist() == [[7, 10, 11, 20, 21]]
     assert build_candidates(DeviceTree.from_spec(TreeSpec(), torch.device("cpu")), torch.tensor([3, 4]),
                             None).tolist() == [[3], [4]]
+
+
+def test_lookup_nodes_take_the_lookup_tokens_after_the_head_nodes():
+    spec = TreeSpec.from_paths([(0,), (1,), (0, 0)]).with_lookup(3)
+    tree = DeviceTree.from_spec(spec, torch.device("cpu"))
+    assert tree.num_lookup == 3 and tree.first_lookup_node == 4 and tree.head_index.tolist() == [0, 0, 1]
+    topk = torch.tensor([[[10, 11], [20, 21]], [[12, 13], [22, 23]]])  # [B=2, K=2, kmax=2]
+    lookup = torch.tensor([[30, 31, 32, 99], [40, 41, 42, 99]])  # [B, 4]: wider than L, as the engine's buffer
+    got = build_candidates(tree, torch.tensor([7, 8]), topk, lookup)
+    assert got.tolist() == [[7, 10, 11, 20, 30, 31, 32], [8, 12, 13, 22, 40, 41, 42]]
+    with pytest.raises(ValueError, match="lookup"):
+        build_candidates(tree, torch.tensor([7, 8]), topk)
+
+
+def test_an_accepted_lookup_chain_is_emitted_and_its_kv_moved():
+    spec = TreeSpec.from_paths([(0,), (0, 0)]).with_lookup(4)  # nodes: 0 root, 1-2 heads, 3-6 lookup
+    tree = DeviceTree.from_spec(spec, torch.device("cpu"))
+    candidates = torch.tensor([[5, 1, 1, 6, 7, 8, 2]])
+    targets = torch.tensor([[6, 0, 0, 7, 8, 3, 0]])  # the chain matches 6, 7, 8, then 2 != 3
+    best = greedy_verdict(tree, candidates, targets)
+    assert best.tolist() == [5]
+    count, tokens = emitted_tokens(tree, candidates, best, targets[:, 5])
+    assert count.tolist() == [4] and tokens[0, :4].tolist() == [6, 7, 8, 3]
+    src, dst = compaction_slots(tree, torch.arange(7)[None] + 100, best)
+    assert {int(s): int(d) for s, d in zip(src, dst) if s != d} == {103: 101, 104: 102, 105: 103}
 
 
 def test_batched_sampling_equals_the_host_sampler_row_by_row():
