@@ -4,7 +4,8 @@ All of it runs on the device from static buffers, in two parts so that rows
 needing host logic (sampling, min_tokens, logprobs) can be decided between
 them:
 
-    part 1  candidates from each row's saved root and head top-k, one forward
+    part 1  candidates from each row's saved root and head top-k (and the host's
+            prompt-lookup tokens for a tree's lookup chain), one forward
             of B x N tree tokens over the paged cache, logits, greedy verdict
     (host)  `verifier.verify` for the rows that need it, written into `best`/`next`
     part 2  emitted tokens, KV of accepted paths moved into place, heads at the
@@ -13,7 +14,7 @@ them:
             large vocabulary they cost as much as the rest of part 2)
 
 On CUDA each part is captured once per (batch bucket, tree) as a CUDA graph and
-replayed; the only device-to-host copy of a step is the packed [B, D + 2] result.
+replayed; the only device-to-host copy of a step is the packed [B, D + 3] result.
 On the CPU the same functions run eagerly, so the tests exercise this code.
 Per-sequence state (pending root, head top-k) lives in rows of `roots`/`topk`;
 the engine leases a row to each decoding sequence.
@@ -63,7 +64,8 @@ def batch_buckets(max_seqs: int) -> list[int]:
 
 class DecodeStep:
     def __init__(self, model: DecoderModel, heads: MedusaHeads | None, cache: PagedKVCache, scratch_slot: int,
-                 max_seqs: int, max_blocks_per_seq: int, max_tree: int, kmax: int, use_graphs: bool) -> None:
+                 max_seqs: int, max_blocks_per_seq: int, max_tree: int, kmax: int, use_graphs: bool,
+                 max_lookup: int = 0) -> None:
         self.model, self.heads, self.cache = model, heads, cache
         self.device = model.embed_tokens.weight.device
         self.scratch_slot, self.max_seqs, self.kmax = scratch_slot, max_seqs, kmax
@@ -72,19 +74,22 @@ class DecodeStep:
         self.roots = torch.zeros(max_seqs + 1, **long)  # [R + 1] pending root per row (+ padding row)
         k = heads.config.num_heads if heads is not None else 0
         self.topk = torch.zeros(max_seqs + 1, k, kmax, **long)  # [R + 1, K, kmax] heads' top tokens
-        # rows (state row per batch row), base (committed tokens before the step), kv_lens, query_start
-        # and slots are views of one buffer that `prepare` fills from a host copy in one transfer:
-        # on a GPU every copy from pageable host memory is a synchronisation. Rewriting the host copy
-        # each step is safe: a step ends with a synchronising device-to-host copy (the packed result).
-        sizes = (max_seqs, max_seqs, max_seqs, max_seqs + 1, max_seqs * max_tree)
+        # rows (state row per batch row), base (committed tokens before the step), kv_lens, query_start,
+        # lookup (prompt-lookup tokens per batch row) and slots are views of one buffer that `prepare`
+        # fills from a host copy in one transfer: on a GPU every copy from pageable host memory is a
+        # synchronisation. Rewriting the host copy each step is safe: a step ends with a synchronising
+        # device-to-host copy (the packed result). Slots come last: only their used part is copied.
+        sizes = (max_seqs, max_seqs, max_seqs, max_seqs + 1, max_seqs * max_lookup, max_seqs * max_tree)
         self._host_inputs = host_buffer((sum(sizes),), torch.int64, self.device)
-        self._host = dict(zip(("rows", "base", "kv_lens", "query_start", "slots"),
+        self._host = dict(zip(("rows", "base", "kv_lens", "query_start", "lookup", "slots"),
                               np.split(self._host_inputs, np.cumsum(sizes)[:-1])))  # name -> view of the host copy
         self._host["rows"][:] = self.padding_row
         self._host["slots"][:] = scratch_slot
+        self._host["lookup"] = self._host["lookup"].reshape(max_seqs, max_lookup)
         self._slots_start = sum(sizes[:-1])
         self._inputs = torch.from_numpy(self._host_inputs).to(self.device, copy=True)
-        self.rows, self.base, self.kv_lens, self.query_start, self.slots = self._inputs.split(sizes)
+        self.rows, self.base, self.kv_lens, self.query_start, lookup, self.slots = self._inputs.split(sizes)
+        self.lookup = lookup.view(max_seqs, max_lookup)  # [B, L] tokens of the trees' lookup chains
         self.tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=self.device)
         self._host_tables = host_buffer((max_seqs, max_blocks_per_seq), torch.int32, self.device)
         self.causal = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)  # [B] 0: every row is a tree
@@ -125,9 +130,10 @@ class DecodeStep:
     # ---- one step ---------------------------------------------------------
 
     def prepare(self, seqs: list, rows: list[int], tree: DeviceTree, blocks: BlockManager,
-                sampling: list[RowSampling | None] | None = None, propose: bool = True) -> int:
-        """Fill the input buffers for `seqs` (state rows `rows`; `sampling` per row, None = greedy);
-        returns the padded batch size.
+                sampling: list[RowSampling | None] | None = None, propose: bool = True,
+                lookup: np.ndarray | None = None) -> int:
+        """Fill the input buffers for `seqs` (state rows `rows`; `sampling` per row, None = greedy;
+        lookup [B, L] the tokens of the tree's L lookup nodes); returns the padded batch size.
 
         propose=False (for a plain step) skips the heads, leaving each row's top-k stale: the
         next step should then not speculate (it would stay correct, but accept little).
@@ -150,7 +156,12 @@ class DecodeStep:
         host["query_start"][: padded + 1] = np.minimum(np.arange(padded + 1), b) * n
         host["slots"][: b * n] = blocks.decode_slot_mapping(seqs, n, tables).reshape(-1)
         host["slots"][b * n: padded * n] = self.scratch_slot
-        upload(self._inputs, self._host_inputs[: self._slots_start + padded * n])  # the five in one copy
+        if tree.num_lookup > self.lookup.shape[1]:
+            raise ValueError(f"tree {tree.spec.name!r} has {tree.num_lookup} lookup nodes; this step was built "
+                             f"for at most {self.lookup.shape[1]}")
+        if tree.num_lookup:  # padding rows keep earlier rows' tokens: any token is fine there
+            host["lookup"][:b, : tree.num_lookup] = lookup
+        upload(self._inputs, self._host_inputs[: self._slots_start + padded * n])  # the six in one copy
         upload(self.tables, tables)
         self._prepare_sampling(sampling or [], padded)
         return padded
@@ -214,7 +225,7 @@ class DecodeStep:
         return graphs["part1"]
 
     def finish(self, tree: DeviceTree, padded: int) -> torch.Tensor:
-        """Part 2 -> packed [Bp, D + 2] long on the device: (count, tokens...) per row."""
+        """Part 2 -> packed [Bp, D + 3] long on the device: (count, D + 1 tokens, best node) per row."""
         if not self.use_graphs:
             return self._part2(tree, padded, self._last, self.propose_step)
         graphs = self._graph(tree, padded, self.sampling_step, self.propose_step)
@@ -233,7 +244,8 @@ class DecodeStep:
     def _part1(self, tree: DeviceTree, padded: int, sampling: bool) -> _Part1:
         n = tree.num_nodes
         rows = self.rows[:padded]
-        candidates = build_candidates(tree, self.roots[rows], self.topk[rows] if self.kmax else None)
+        candidates = build_candidates(tree, self.roots[rows], self.topk[rows] if self.kmax else None,
+                                      self.lookup[:padded])
         positions = (self.base[:padded, None] + tree.depths[None]).flatten()
         meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
                             kv_lens=self.kv_lens[:padded], query_start=self.query_start[: padded + 1],
@@ -261,7 +273,7 @@ class DecodeStep:
             at_best = part1.hidden.view(padded, n, -1)[torch.arange(padded, device=self.device), best]  # [Bp, H]
             head_logits = self.heads(at_best, self.model.lm_head.weight)  # [K, Bp, V]
             self.topk[rows] = head_logits.topk(self.kmax, dim=-1).indices.transpose(0, 1)
-        return torch.cat([count[:, None], tokens], dim=1)
+        return torch.cat([count[:, None], tokens, best[:, None]], dim=1)  # best: did the lookup chain win
 
     # ---- CUDA graphs ------------------------------------------------------
 

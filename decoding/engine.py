@@ -11,6 +11,10 @@ verifies its tree in one batched `DecodeStep` (device-side greedy and sampled
 verification, CUDA graphs on the GPU; host verification only for rows that ask
 for logprobs, are under min_tokens or use penalties) -> append tokens, check stops,
 free finished sequences.
+
+With `prompt_lookup=L`, every speculative tree also carries a chain of L nodes
+whose tokens copy what followed the latest earlier occurrence of the sequence's
+last few tokens (`prompt_lookup.py`); the verification, hence the output, is unchanged.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
+from medusa.decoding.prompt_lookup import NgramIndex
 from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import Scheduler, SchedulerConfig, prefill_target
@@ -39,7 +44,7 @@ from medusa.decoding.tree_policy import TreePolicy, unmeasured_prior
 from medusa.decoding.verifier import AcceptanceConfig, verify
 from medusa.heads import MedusaHeads
 from medusa.model import DecoderModel
-from medusa.tree import TreeSpec
+from medusa.tree import MAX_NODES, TreeSpec
 
 
 @dataclass(frozen=True)
@@ -52,12 +57,19 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture the decode step per batch bucket and tree (CUDA only)
     max_graph_tokens: int = 1024  # warmup times trees only while bucket x tree size stays under this
     max_model_len: int | None = None  # prompt + output tokens per request; None: min(model context, KV pool)
+    # L > 0: every speculative tree gets a chain of L prompt-lookup nodes (n-gram copies of earlier text);
+    # a tree's head nodes past 64 - L are dropped. 0: off
+    prompt_lookup: int = 0
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {self.num_blocks}, {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        lookup = self.prompt_lookup
+        if not isinstance(lookup, int) or isinstance(lookup, bool) or not 0 <= lookup <= MAX_NODES - 2:
+            raise ValueError(f"prompt_lookup must be an integer in [0, {MAX_NODES - 2}], got {lookup!r}: a tree "
+                             f"holds at most {MAX_NODES} nodes, the root and at least one head node among them")
 
 
 @dataclass
@@ -73,6 +85,7 @@ class _Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     stats: RequestStats = field(default_factory=RequestStats)
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (past min_tokens): EOS and stop_token_ids
+    ngrams: NgramIndex = field(default_factory=NgramIndex)  # its tokens so far, filled at its first lookup step
     sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
 
     def __post_init__(self) -> None:
@@ -101,7 +114,8 @@ class LLMEngine:
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         trees = [t if isinstance(t, TreeSpec) else TreeSpec.load(t) for t in config.trees] if heads is not None \
             else [TreeSpec.load("single")]
-        trees = [t for t in trees if heads is None or t.max_depth <= heads.config.num_heads]
+        trees = [t for t in trees if heads is None or t.head_depth <= heads.config.num_heads]
+        trees = _with_lookup(trees, config.prompt_lookup)
         self.scheduler = Scheduler(config.scheduler, self.blocks, trees)
         self._device_trees: dict[TreeSpec, DeviceTree] = {}
         context = model.config.max_position_embeddings
@@ -112,7 +126,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, heads, self.blocks, config.num_blocks, config.scheduler.max_num_seqs,
                                   self.max_model_len, max(t.num_nodes for t in trees),
                                   max(t.max_topk for t in device_trees), config.cuda_graphs,
-                                  config.scheduler.max_num_batched_tokens)
+                                  config.scheduler.max_num_batched_tokens, config.prompt_lookup)
         self.eos = set(eos_token_ids) | set(model.config.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -271,22 +285,25 @@ class LLMEngine:
         requests = [self.requests[seq.request_id] for seq in seqs]
         sampling = [self._row_sampling(r, tree) for r in requests]
         propose = self.policy.proposes(step.bucket(len(seqs)), tree.spec)
-        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose)
+        lookup = _lookup_tokens(requests, tree.num_lookup) if tree.num_lookup else None
+        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose, lookup)
         part1 = step.forward(tree, padded)
         self._verify_on_host(requests, tree, part1)
         packed = step.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
         counts = [row[0] for row in packed]  # tokens each row emits: 1 + accepted drafts
+        # drafts accepted on the lookup chain (row[-1]: the deepest accepted node)
+        from_lookup = [count - 1 if row[-1] >= tree.first_lookup_node else 0 for count, row in zip(counts, packed)]
         self.policy.observe(tree.spec, sum(counts), len(counts))
         outputs = []
         drafted, depth = tree.num_nodes - 1, tree.spec.max_depth
-        for request, row in zip(requests, packed):
+        for request, row, looked_up in zip(requests, packed, from_lookup):
             seq, count = request.seq, row[0]
-            _record_step(request.stats, drafted, depth, count)
+            _record_step(request.stats, drafted, depth, count, looked_up)
             emitted = self._append(request, row[1:count + 1])
             if not seq.is_finished:
                 self.blocks.commit(seq, count)
             outputs.append(self._output(request, emitted))
-        _record(self.totals, tree.spec, counts)  # once for the batch
+        _record(self.totals, tree.spec, counts, sum(from_lookup))  # once for the batch
         self.steps_per_tree[_tree_label(tree.spec)] += 1
         if padded in self.policy.step_cost:  # the measured policy is on: it learns what steps really cost
             self.policy.observe_step(padded, tree.spec, time.perf_counter() - start)
@@ -406,11 +423,32 @@ class LLMEngine:
         return self._device_trees[spec]
 
 
-def _record_step(stats: RequestStats, drafted: int, max_depth: int, count: int) -> None:
-    """One sequence's verification step: `drafted` tree tokens (max_depth deep), `count` tokens emitted."""
+def _lookup_tokens(requests: list[_Request], length: int) -> np.ndarray:
+    """[B, length] prompt-lookup proposals, each row's n-gram index first given its new tokens (the
+    pending root is the last of them)."""
+    proposals = []
+    for request in requests:
+        index, seq = request.ngrams, request.seq
+        index.extend(seq.token_ids(len(index), seq.num_tokens))
+        proposals.append(index.propose(length))
+    return np.array(proposals, dtype=np.int64)
+
+
+def _with_lookup(trees: list[TreeSpec], length: int) -> list[TreeSpec]:
+    """Each speculative tree with a lookup chain of `length` nodes (the plain one stays plain), once each:
+    trees cut down to fit 64 nodes may coincide."""
+    if not length:
+        return trees
+    return list(dict.fromkeys(t.with_lookup(length) if t.num_nodes > 1 else t for t in trees))
+
+
+def _record_step(stats: RequestStats, drafted: int, max_depth: int, count: int, from_lookup: int = 0) -> None:
+    """One sequence's verification step: `drafted` tree tokens (max_depth deep), `count` tokens emitted,
+    `from_lookup` of whose drafts came through the prompt-lookup chain."""
     stats.steps += 1
     stats.drafted_tokens += drafted
     stats.accepted_tokens += count - 1
+    stats.accepted_from_lookup += from_lookup
     stats.accepted_lengths.append(count)
     per_depth = stats.accepted_per_depth
     if len(per_depth) < max_depth:
@@ -419,12 +457,14 @@ def _record_step(stats: RequestStats, drafted: int, max_depth: int, count: int) 
         per_depth[depth] += 1
 
 
-def _record(stats: RequestStats, tree: TreeSpec, counts: list[int]) -> None:
-    """Count verification steps of `tree` that emitted counts[i] tokens (1 + accepted drafts) each;
-    accepted_lengths stays as it is (the engine's totals keep none)."""
+def _record(stats: RequestStats, tree: TreeSpec, counts: list[int], from_lookup: int = 0) -> None:
+    """Count verification steps of `tree` that emitted counts[i] tokens (1 + accepted drafts) each,
+    `from_lookup` drafts through the lookup chain in all; accepted_lengths stays as it is (the
+    engine's totals keep none)."""
     stats.steps += len(counts)
     stats.drafted_tokens += (tree.num_nodes - 1) * len(counts)
     stats.accepted_tokens += sum(counts) - len(counts)
+    stats.accepted_from_lookup += from_lookup
     missing = tree.max_depth - len(stats.accepted_per_depth)
     stats.accepted_per_depth += [0] * max(missing, 0)
     for count, rows in Counter(counts).items():  # a handful of distinct counts, not one loop per row

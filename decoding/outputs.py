@@ -11,6 +11,7 @@ class RequestStats:
     steps: int = 0  # verification steps
     drafted_tokens: int = 0
     accepted_tokens: int = 0  # drafted tokens the base agreed with
+    accepted_from_lookup: int = 0  # of those, the ones on the prompt-lookup chain (EngineConfig.prompt_lookup)
     accepted_per_depth: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted by each verification step
 

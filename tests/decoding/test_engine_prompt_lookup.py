@@ -1,0 +1,118 @@
+"""The engine with a prompt-lookup chain in its trees: same outputs as without, and the chain does accept."""
+
+import pytest
+
+from medusa.decoding.engine import EngineConfig, LLMEngine
+from medusa.decoding.generator import TreeDecoder
+from medusa.decoding.sampler import SamplingConfig
+from medusa.decoding.sampling_params import SamplingParams
+from medusa.decoding.scheduler import SchedulerConfig
+from medusa.tree import TreeSpec
+from engine_driver import random_prompts, run_staggered, single_thread
+from tiny_models import tiny_decoder
+
+VOCAB = 24
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    with single_thread():
+        yield tiny_decoder(VOCAB, logit_scale=3, num_heads=4)
+
+
+def plain_greedy(model, prompt, max_tokens):
+    out = []
+    for chunk in TreeDecoder(model, None, TreeSpec.load("single")).decode(prompt, max_tokens, SamplingConfig()):
+        out += chunk
+    return out[:max_tokens]
+
+
+def make_engine(model, heads, prompt_lookup, **kw):
+    return LLMEngine(model, heads, EngineConfig(prompt_lookup=prompt_lookup, num_blocks=256, block_size=4,
+                                                scheduler=SchedulerConfig(max_tree_tokens=400), **kw))
+
+
+def mixed_prompts():
+    """Mixed lengths; the last two repeat a phrase, so their text recurs from the start."""
+    ps = random_prompts(6, VOCAB, 40, seed=30)
+    return ps + [ps[0] * 3, [5, 9, 2, 7] * 6]
+
+
+@pytest.mark.parametrize("lookup", [4, 7])  # 7: a chain deeper than the 4 heads
+def test_greedy_outputs_equal_plain_greedy_and_the_lookup_chain_accepts(tiny, lookup):
+    model, heads = tiny
+    ps = mixed_prompts()
+    max_tokens = [12 + 5 * (i % 4) for i in range(len(ps))]
+    engine = make_engine(model, heads, lookup)
+    assert all(t.lookup == lookup for t in engine.scheduler.trees if t.num_nodes > 1)
+    assert max(t.max_depth for t in engine.scheduler.trees) == max(lookup, 4)
+    done = run_staggered(engine, ps, [SamplingParams(max_tokens=m) for m in max_tokens])
+    for i, p in enumerate(ps):
+        assert done[i].token_ids == plain_greedy(model, p, max_tokens[i]), i
+    for i in (len(ps) - 2, len(ps) - 1):  # the repeating prompts: their continuation is found earlier
+        assert done[i].stats.accepted_from_lookup > 0, i
+    totals = engine.stats().totals
+    assert totals.accepted_from_lookup == sum(d.stats.accepted_from_lookup for d in done.values()) > 0
+    assert totals.accepted_from_lookup <= totals.accepted_tokens == sum(totals.accepted_per_depth)
+    assert len(totals.accepted_per_depth) == max(lookup, 4)
+    assert any(name.endswith(f"+lookup{lookup}") for name in engine.stats().steps_per_tree)
+    assert engine.blocks.num_free_blocks == 256 and not engine.blocks.ref_counts.any()
+
+
+def test_lookup_off_keeps_the_plain_trees(tiny):
+    model, heads = tiny
+    engine = make_engine(model, heads, 0)
+    assert all(t.lookup == 0 for t in engine.scheduler.trees)
+    assert engine.runner.decode.lookup.shape[1] == 0
+
+
+def test_host_verified_rows_give_the_same_tokens_with_and_without_lookup(tiny):
+    """Logprobs, min_tokens and penalties are decided on the host, which gets the lookup nodes too."""
+    model, heads = tiny
+    ps = mixed_prompts()[-4:]
+    params = [SamplingParams(max_tokens=20, logprobs=2), SamplingParams(max_tokens=20, min_tokens=15),
+              SamplingParams(max_tokens=20, presence_penalty=0.3, frequency_penalty=0.2),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=4, logprobs=1)]
+    without = make_engine(model, heads, 0).generate(ps, params)
+    engine = make_engine(model, heads, 5)
+    with_lookup = engine.generate(ps, params)
+    for a, b in zip(without, with_lookup):
+        assert a.token_ids == b.token_ids
+    assert engine.totals.accepted_from_lookup > 0
+
+
+def test_seeded_sampling_is_batch_invariant_with_lookup(tiny):
+    model, heads = tiny
+    repeating = [3, 1, 4, 1, 5] * 5
+    params = SamplingParams(max_tokens=25, temperature=0.7, seed=11)
+    alone = make_engine(model, heads, 4).generate([repeating], params)[0].token_ids
+    others = [SamplingParams(max_tokens=25, temperature=1.0, seed=s) for s in range(7)]
+    batch = make_engine(model, heads, 4).generate([repeating] + random_prompts(7, VOCAB, 40, seed=3),
+                                                  [params] + others)
+    assert batch[0].token_ids == alone
+    # a seeded draw depends only on (seed, output position): plain decoding samples the same text
+    assert make_engine(model, None, 4).generate([repeating], params)[0].token_ids == alone
+
+
+def test_the_batch1_decoder_runs_lookup_trees(tiny):
+    """TreeDecoder has no n-gram index: its lookup nodes hold the root, and its output stays plain greedy."""
+    model, heads = tiny
+    p = random_prompts(1, VOCAB, 40, seed=31)[0]
+    out = []
+    for chunk in TreeDecoder(model, heads, TreeSpec.load("tree-8").with_lookup(6)).decode(p, 15, SamplingConfig()):
+        out += chunk
+    assert out[:15] == plain_greedy(model, p, 15)
+
+
+@pytest.mark.parametrize("bad", [-1, 63, 100, 2.5, True])
+def test_bad_prompt_lookup_is_refused(bad):
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        EngineConfig(prompt_lookup=bad)
+
+
+def test_trees_cut_to_fit_64_nodes_are_kept_once(tiny):
+    model, heads = tiny
+    engine = LLMEngine(model, heads, EngineConfig(prompt_lookup=62, trees=("single", "tree-4", "tree-8")))
+    trees = engine.scheduler.trees
+    assert [t.num_nodes for t in trees] == [1, 64]  # both keep one head node beside the chain
+    assert trees[1].paths == ((0,),) and trees[1].max_depth == 62
