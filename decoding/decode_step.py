@@ -69,6 +69,8 @@ class DecodeStep:
         self.model, self.heads, self.cache = model, heads, cache
         self.device = model.embed_tokens.weight.device
         self.scratch_slot, self.max_seqs, self.kmax = scratch_slot, max_seqs, kmax
+        # the last position the RoPE table covers: a tree at the end of the context reaches past it
+        self.last_position = model.config.max_position_embeddings - 1
         long = dict(dtype=torch.long, device=self.device)
         self.padding_row = max_seqs
         self.roots = torch.zeros(max_seqs + 1, **long)  # [R + 1] pending root per row (+ padding row)
@@ -246,7 +248,9 @@ class DecodeStep:
         rows = self.rows[:padded]
         candidates = build_candidates(tree, self.roots[rows], self.topk[rows] if self.kmax else None,
                                       self.lookup[:padded])
-        positions = (self.base[:padded, None] + tree.depths[None]).flatten()
+        # Nodes past the context carry tokens past max_model_len, which the engine cuts (their
+        # descendants too), so any position serves them: clamped, RoPE reads inside its table.
+        positions = (self.base[:padded, None] + tree.depths[None]).flatten().clamp(max=self.last_position)
         meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
                             kv_lens=self.kv_lens[:padded], query_start=self.query_start[: padded + 1],
                             causal=self.causal[:padded], step_bits=tree.bits.repeat(padded), max_query_len=n)

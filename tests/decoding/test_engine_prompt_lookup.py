@@ -116,3 +116,15 @@ def test_trees_cut_to_fit_64_nodes_are_kept_once(tiny):
     trees = engine.scheduler.trees
     assert [t.num_nodes for t in trees] == [1, 64]  # both keep one head node beside the chain
     assert trees[1].paths == ((0,),) and trees[1].max_depth == 62
+
+
+@pytest.mark.parametrize("lookup", [0, 8])
+def test_trees_reaching_past_the_context_at_its_end(lookup):
+    """A request may fill the whole context; its last steps' deeper nodes sit past the RoPE table."""
+    with single_thread():
+        model, heads = tiny_decoder(VOCAB, logit_scale=3, num_heads=4, max_positions=64)
+    prompt = [1, 2, 3, 4] * 10
+    engine = make_engine(model, heads, lookup)
+    assert engine.max_model_len == 64
+    out = engine.generate([prompt], SamplingParams(max_tokens=24))[0]
+    assert out.token_ids == plain_greedy(model, prompt, 24) and out.finish_reason == "length"
