@@ -3,6 +3,7 @@
     python benchmarks/spec_bench.py --out out/spec_bench               # full: all 480 questions
     python benchmarks/spec_bench.py --per-category 5 --hf-per-category 1 --out out/sb
     python benchmarks/spec_bench.py --quick --out out/sb-quick         # CPU smoke run (CI)
+    python benchmarks/spec_bench.py --prompt-lookup 4 --out out/sb-pl4 # Medusa trees + a 4-node lookup chain
 
 Writes results.json (per category and overall: tokens/s of each system, Medusa's
 speedup over plain and over HF, mean accepted length, how many greedy outputs
@@ -63,7 +64,8 @@ def run_ours(model: MedusaModel, question: dict, max_new_tokens: int, speculativ
         messages.append({"role": "assistant", "content": out.text})
         # accepted length: tokens per verification step (the prefill's first token is not one)
         turns.append({"tokens": len(out.token_ids), "seconds": seconds, "steps": out.stats.steps,
-                      "emitted": sum(out.stats.accepted_lengths), "ids": list(out.token_ids), "prompt": ids})
+                      "emitted": sum(out.stats.accepted_lengths), "from_lookup": out.stats.accepted_from_lookup,
+                      "ids": list(out.token_ids), "prompt": ids})
     return turns
 
 
@@ -112,6 +114,7 @@ def summarise(records: list[dict]) -> dict:
     out = {"questions": len(records), "plain_tok_s": plain, "medusa_tok_s": medusa,
            "speedup_vs_plain": medusa / plain if plain else None,
            "mean_accepted_length": tokens / max(steps, 1),
+           "accepted_from_lookup_per_step": sum(t["from_lookup"] for r in records for t in r["medusa"]) / max(steps, 1),
            "identical_greedy_turns": sum(a == b for a, b in pairs), "turns": len(pairs)}
     drifts = [r["drift"] for r in records if r.get("drift")]
     if drifts:
@@ -152,13 +155,15 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="at most this many questions in all")
     p.add_argument("--quick", action="store_true", help="4 questions, 8 tokens: a CPU smoke run (CI)")
+    p.add_argument("--prompt-lookup", type=int, default=0,
+                   help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: off")
     args = p.parse_args()
     if args.quick:
         args.per_category, args.max_new_tokens, args.limit = 1, 8, 4
         args.hf_per_category = min(args.hf_per_category, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = MedusaModel.from_pretrained(args.model, heads=args.heads)
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads, prompt_lookup=args.prompt_lookup)
     hf = _load_hf(model) if args.hf_per_category else None
     # Medusa-2: the original base, to measure how far the merged adapter moved the outputs
     reference = MedusaModel.from_pretrained(args.model) if args.heads and has_adapter(args.heads) else None
@@ -179,7 +184,7 @@ def main() -> None:
     for r in records:
         by_cat[r["category"]].append(r)
     summary = {"device": _device_name(), "tree_nodes": max(t.num_nodes for t in model.engine(True).scheduler.trees),
-               "tree_policy": policy, "max_new_tokens": args.max_new_tokens,
+               "tree_policy": policy, "prompt_lookup": args.prompt_lookup, "max_new_tokens": args.max_new_tokens,
                "dtype": str(model.base.embed_tokens.weight.dtype), "overall": summarise(records),
                "categories": {c: summarise(rs) for c, rs in by_cat.items()}}
     (out / "results.json").write_text(json.dumps(summary, indent=2))

@@ -4,6 +4,7 @@
     python benchmarks/throughput.py --models default --out out/tp
     python benchmarks/throughput.py --models default --profile-steps --out out/tp   # + where each step's time goes
     python benchmarks/throughput.py --quick --out out/tp-quick                 # CPU smoke run (CI)
+    python benchmarks/throughput.py --models default --prompt-lookup 4 --out out/tp-pl4   # + a lookup chain
 
 For each model and concurrency C, a closed loop keeps C requests in flight on
 one engine (greedy) until 3 x C requests are served (a new one joins as soon as
@@ -76,10 +77,12 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
     tokens = sum(len(o.token_ids) for o in finished)
     verify_steps = sum(o.stats.steps for o in finished)
     emitted = sum(sum(o.stats.accepted_lengths) for o in finished)
+    from_lookup = sum(o.stats.accepted_from_lookup for o in finished)
     trees = engine.stats().steps_per_tree
     return {"requests": len(finished), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
             "engine_steps": steps, "ms_per_step": 1e3 * seconds / steps,
             "mean_accepted_length": emitted / max(verify_steps, 1),
+            "accepted_from_lookup_per_step": from_lookup / max(verify_steps, 1),
             "decode_steps_per_tree": {t: n - trees_before.get(t, 0) for t, n in trees.items()
                                       if n > trees_before.get(t, 0)}}
 
@@ -98,7 +101,8 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         eos, config = [], EngineConfig()
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     scheduler = SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=4096)
-    config = EngineConfig(num_blocks=args.num_blocks, trees=config.trees, scheduler=scheduler)
+    config = EngineConfig(num_blocks=args.num_blocks, trees=config.trees, scheduler=scheduler,
+                          prompt_lookup=args.prompt_lookup)
     rows = []
     for mode, medusa in (("plain", None), ("medusa", heads)):
         engine = LLMEngine(base, medusa, config, tokenizer, eos)
@@ -150,6 +154,8 @@ def main() -> None:
     p.add_argument("--profile-steps", action="store_true",
                    help="run each level a second time with every step phase timed (benchmarks/phases.py)")
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 levels, 8 tokens (CPU, CI)")
+    p.add_argument("--prompt-lookup", type=int, default=0,
+                   help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: off")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -160,7 +166,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     (out / "results.json").write_text(json.dumps({"device": device_name, "dtype": str(dtype),
-                                                   "max_tokens": args.max_tokens, "rows": rows}, indent=2))
+                                                   "max_tokens": args.max_tokens, "prompt_lookup": args.prompt_lookup,
+                                                   "rows": rows}, indent=2))
     plot(rows, out / "throughput.png")
     for r in rows:
         print(f"{r['model']:>14} {r['mode']:>6} C={r['concurrency']:<3} {r['tok_s']:9.1f} tok/s "

@@ -60,9 +60,12 @@ class GenerationStream:
 
 class MedusaModel:
     def __init__(self, base: DecoderModel, tokenizer: Any, heads: MedusaHeads | None = None,
-                 tree: TreeSpec | str | None = None, system_prompt: str | None = None) -> None:
+                 tree: TreeSpec | str | None = None, system_prompt: str | None = None,
+                 prompt_lookup: int = 0) -> None:
         self.base, self.tokenizer, self.heads = base, tokenizer, heads
         self.system_prompt = system_prompt
+        EngineConfig(prompt_lookup=prompt_lookup)  # refuse a bad value now, not at the first engine
+        self.prompt_lookup = prompt_lookup  # the engine's EngineConfig.prompt_lookup
         self.eos_token_ids = _eos_ids(base, tokenizer)
         self._tree_choice = tree
         self._decoders: dict[TreeSpec, TreeDecoder] = {}
@@ -71,14 +74,15 @@ class MedusaModel:
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, heads: str | Path | MedusaHeads | None = None,
                         tree: TreeSpec | str | None = None, dtype: torch.dtype | None = None,
-                        device: str | torch.device | None = None) -> "MedusaModel":
+                        device: str | torch.device | None = None, prompt_lookup: int = 0) -> "MedusaModel":
         """A checkpoint folder or .gguf (None: the default model) with its heads.
 
         heads: a heads folder/file in our, FasterDecoding's or TGI's format, a
         MedusaHeads, or None (the default model's shipped heads; no heads, i.e.
         plain decoding, for any other model). tree: a TreeSpec, a named tree,
         "auto" (measure step cost on this device), or None (the heads' own tree,
-        else "auto").
+        else "auto"). prompt_lookup: L > 0 adds L prompt-lookup nodes (n-gram copies of
+        earlier text) to the engine's speculative trees; outputs are unchanged.
         """
         from medusa import default_model
 
@@ -98,7 +102,7 @@ class MedusaModel:
         if isinstance(heads, MedusaHeads):
             _check_heads_fit(heads, base)
             heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        return cls(base, tokenizer, heads, tree, system_prompt)
+        return cls(base, tokenizer, heads, tree, system_prompt, prompt_lookup)
 
     # ---- generation -------------------------------------------------------
 
@@ -162,15 +166,16 @@ class MedusaModel:
 
     def engine_config(self) -> EngineConfig:
         """Candidate trees for the engine: searched for the heads' measured accuracies
-        when they carry them (the heads' own tree as the largest), else the named ones."""
+        when they carry them (the heads' own tree as the largest), else the named ones;
+        each speculative one gets the model's prompt-lookup chain."""
         if self.heads is None:
-            return EngineConfig()
+            return EngineConfig(prompt_lookup=self.prompt_lookup)
         cfg = self.heads.config
         small = tuple(TreeSpec.search(cfg.accuracies, n, name=f"searched-{n}") for n in (4, 8, 16, 32)) \
             if cfg.accuracies else ("tree-4", "tree-8", "tree-16", "tree-32")
         own = TreeSpec.from_paths([tuple(p) for p in cfg.tree], name="heads") if cfg.tree else None
         largest = own if own is not None and own.num_nodes <= 64 else "tree-64"
-        return EngineConfig(trees=("single",) + small + (largest,))
+        return EngineConfig(trees=("single",) + small + (largest,), prompt_lookup=self.prompt_lookup)
 
     def _generate_batch(self, prompts: list[str], params: SamplingParams, speculative: bool) -> list[GenerationResult]:
         ids = [self.encode(p) for p in prompts]

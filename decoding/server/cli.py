@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together in one step")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
+    p.add_argument("--prompt-lookup", type=int, default=0,
+                   help="prompt-lookup nodes (n-gram copies of earlier text) in every Medusa tree; 0: off")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="paged KV cache size per engine, in 16-token blocks (default: from --gpu-memory-utilization "
                         f"on a GPU, {CPU_BLOCKS} on a CPU)")
@@ -60,7 +62,8 @@ def serve(args: argparse.Namespace) -> int:
         model, args.gpu_memory_utilization / (2 if model.heads is not None else 1),  # plain + Medusa engines
         args.max_num_seqs, EngineConfig.block_size)
     app = build_app(model, name, api_key=args.api_key, max_waiting=args.max_waiting,
-                    engine_config=EngineConfig(num_blocks=num_blocks, scheduler=scheduler))
+                    engine_config=EngineConfig(num_blocks=num_blocks, scheduler=scheduler,
+                                               prompt_lookup=args.prompt_lookup))
     print(f"[medusa serve: '{name}' loaded in {time.perf_counter() - start:.1f}s on "
           f"{model.base.embed_tokens.weight.device}; heads: {'yes' if model.heads is not None else 'none'}; "
           f"KV cache: {num_blocks} blocks of {EngineConfig.block_size} tokens per engine]",

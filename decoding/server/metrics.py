@@ -56,10 +56,13 @@ def _speculation(totals: list) -> Iterable:
     drafted = sum(t.drafted_tokens for t in totals)
     accepted = sum(t.accepted_tokens for t in totals)
     yield CounterMetricFamily(PREFIX + "spec_decode_num_drafts", "Verification steps (one tree each).", value=steps)
-    yield CounterMetricFamily(PREFIX + "spec_decode_num_draft_tokens", "Tree tokens drafted by the heads.",
+    yield CounterMetricFamily(PREFIX + "spec_decode_num_draft_tokens", "Tree tokens drafted (by the heads and prompt lookup).",
                               value=drafted)
     yield CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens", "Drafted tokens the base model accepted.",
                               value=accepted)
+    yield CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_from_lookup",
+                              "Of those, the ones on the prompt-lookup chain (--prompt-lookup).",
+                              value=sum(t.accepted_from_lookup for t in totals))
     per_depth = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_depth",
                                     "Accepted drafted tokens by tree depth (1 = the first head's guess).",
                                     labels=["depth"])

@@ -128,3 +128,14 @@ def test_trees_reaching_past_the_context_at_its_end(lookup):
     assert engine.max_model_len == 64
     out = engine.generate([prompt], SamplingParams(max_tokens=24))[0]
     assert out.token_ids == plain_greedy(model, prompt, 24) and out.finish_reason == "length"
+
+
+def test_medusa_model_passes_prompt_lookup_to_its_engines(tiny):
+    from medusa.medusa_model import MedusaModel
+
+    model, heads = tiny
+    medusa = MedusaModel(model, None, heads, prompt_lookup=3)
+    assert medusa.engine_config().prompt_lookup == 3
+    assert all(t.lookup == 3 for t in medusa.engine().scheduler.trees if t.num_nodes > 1)
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        MedusaModel(model, None, heads, prompt_lookup=-2)

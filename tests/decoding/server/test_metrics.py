@@ -15,7 +15,8 @@ EXPECTED = ["medusa:request_success_total", "medusa:num_requests_running", "medu
             "medusa:kv_cache_usage_perc", "medusa:time_to_first_token_seconds_count",
             "medusa:inter_token_latency_seconds_count", "medusa:prompt_tokens_total", "medusa:generation_tokens_total",
             "medusa:spec_decode_num_drafts_total", "medusa:spec_decode_num_draft_tokens_total",
-            "medusa:spec_decode_num_accepted_tokens_total", "medusa:spec_decode_mean_accepted_length"]
+            "medusa:spec_decode_num_accepted_tokens_total", "medusa:spec_decode_num_accepted_tokens_from_lookup_total",
+            "medusa:spec_decode_mean_accepted_length"]
 
 
 def scrape(client) -> dict[tuple[str, tuple], float]:
