@@ -101,7 +101,9 @@ def test_prefill_graphs_equal_eager_on_the_gpu(default_model_dir):
         cache.k.copy_(before)
         replayed = run(batch)  # the graph path
         torch.testing.assert_close(replayed, padded, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(cache.k, padded_kv, rtol=1e-5, atol=1e-5)
+        # real slots only: the scratch slot past them takes padding rows' junk (NaN, say) in decode captures
+        real = runner.decode.scratch_slot
+        torch.testing.assert_close(cache.k[:, :real], padded_kv[:, :real], rtol=1e-5, atol=1e-5)
         assert (replayed - eager).abs().max() < 0.1  # the same forward up to rounding
         replays.append(batch.num_tokens)
         return replayed
