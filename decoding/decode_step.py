@@ -57,9 +57,9 @@ class _Part1:
 
 
 def batch_buckets(max_seqs: int) -> list[int]:
-    """Padded batch sizes a graph is captured for: 1, 2, 4, 8, then multiples of 8."""
-    small = [b for b in (1, 2, 4) if b < max_seqs]
-    return small + list(range(8, max_seqs + 8, 8)) if max_seqs > 4 else small + [max_seqs]
+    """Padded batch sizes a graph is captured for: 1, 2, 4, then multiples of 8, and max_seqs itself
+    (the step's buffers hold max_seqs rows: a bucket past it would not fit them)."""
+    return [b for b in (1, 2, 4) if b < max_seqs] + list(range(8, max_seqs, 8)) + [max_seqs]
 
 
 class DecodeStep:

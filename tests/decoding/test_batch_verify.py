@@ -86,3 +86,13 @@ def test_batched_sampling_equals_the_host_sampler_row_by_row():
     for b, config in enumerate(configs):
         want = TokenSampler(100 + b)(target_probs(logits[b], config), positions)
         assert got[b].tolist() == want.tolist(), b
+
+
+def test_batch_buckets_never_pass_max_num_seqs():
+    from medusa.decoding.decode_step import batch_buckets
+
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(60) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 60]  # was ... 56, 64: 64 rows in 60-row buffers
