@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from medusa.adapter import has_adapter
 from medusa.attention import CausalAttention
 from medusa.decoding.sampling_params import SamplingParams
-from medusa.medusa_model import MedusaModel
+from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP, MedusaModel
 from medusa.training.data import DATA_DIR
 from common import sync
 from plotting import pyplot
@@ -155,8 +155,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="at most this many questions in all")
     p.add_argument("--quick", action="store_true", help="4 questions, 8 tokens: a CPU smoke run (CI)")
-    p.add_argument("--prompt-lookup", type=int, default=0,
-                   help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: off")
+    p.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP,
+                   help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
+                        "heads alone (default: %(default)s, the library's)")
     args = p.parse_args()
     if args.quick:
         args.per_category, args.max_new_tokens, args.limit = 1, 8, 4

@@ -28,6 +28,7 @@ import torch
 from medusa.config import ModelConfig
 from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
+from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP
 from medusa.decoding.scheduler import SchedulerConfig
 from medusa.heads import HeadsConfig, MedusaHeads
 from medusa.loading import empty_model
@@ -154,8 +155,9 @@ def main() -> None:
     p.add_argument("--profile-steps", action="store_true",
                    help="run each level a second time with every step phase timed (benchmarks/phases.py)")
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 levels, 8 tokens (CPU, CI)")
-    p.add_argument("--prompt-lookup", type=int, default=0,
-                   help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: off")
+    p.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP,
+                   help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
+                        "heads alone (default: %(default)s, the library's)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

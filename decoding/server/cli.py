@@ -15,6 +15,7 @@ import time
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from medusa.decoding.kv_budget import CPU_BLOCKS
+    from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP
 
     p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--heads", default=None, help="heads folder/file; 'none' for plain decoding only")
@@ -25,8 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together in one step")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
-    p.add_argument("--prompt-lookup", type=int, default=0,
-                   help="prompt-lookup nodes (n-gram copies of earlier text) in every Medusa tree; 0: off")
+    p.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP,
+                   help="prompt-lookup nodes (n-gram copies of earlier text) in every Medusa tree; 0: off "
+                        "(default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="paged KV cache size per engine, in 16-token blocks (default: from --gpu-memory-utilization "
                         f"on a GPU, {CPU_BLOCKS} on a CPU)")

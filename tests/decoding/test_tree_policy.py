@@ -134,3 +134,4 @@ def test_an_engine_settled_on_plain_decoding_skips_the_heads_and_keeps_its_outpu
     plain = LLMEngine(engine.model, None).generate([[5, 6, 7]], params)[0]
     assert out.token_ids == plain.token_ids
     assert out.stats.steps == 23 and calls == [1]  # the first token's proposals only, no decode step's
+    assert engine.stats().steps_per_tree == {trees[1].name: 23}
