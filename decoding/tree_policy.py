@@ -7,7 +7,9 @@ second, so large batches fall back to small trees, down to plain decoding,
 where the device says speculation stops paying. The prediction is a prior: as
 the engine runs, each tree's accepted length moves to what it actually
 observes, so heads that do worse on real traffic than on their held-out data
-soon get smaller trees.
+soon get smaller trees. The accuracies say nothing about a prompt-lookup chain,
+so lookup trees' priors also get what the chains have added so far on the trees
+observed (`lookup_bonus`).
 
 The step cost is corrected the same way. A graph-timed step leaves out the
 host's work per step (scheduling, block bookkeeping, appending and
@@ -103,7 +105,19 @@ class TreePolicy:
 
     def expected_length(self, tree: TreeSpec) -> float:
         tokens, steps = self.observed.get(tree, (0, 0))
-        return (self.prior[tree] * PRIOR_STEPS + tokens) / (PRIOR_STEPS + steps)
+        prior = self.prior[tree] + (self.lookup_bonus() if tree.lookup else 0.0)
+        return (prior * PRIOR_STEPS + tokens) / (PRIOR_STEPS + steps)
+
+    def lookup_bonus(self) -> float:
+        """Tokens per step that prompt-lookup chains have added over the heads' prediction, over every
+        lookup tree observed so far. The prior counts head nodes only; the chain adds about the same
+        to every tree, so what one lookup tree shows lifts the others' prior too (never below 0)."""
+        extra = steps = 0.0
+        for tree, (tokens, seen) in self.observed.items():
+            if tree.lookup and tree in self.prior:
+                extra += tokens - self.prior[tree] * seen
+                steps += seen
+        return max(0.0, extra / steps) if steps else 0.0
 
     def choose(self, bucket: int) -> TreeSpec:
         """The tree with the most expected tokens per second at this (padded) batch size,

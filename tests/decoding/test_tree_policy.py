@@ -135,3 +135,21 @@ def test_an_engine_settled_on_plain_decoding_skips_the_heads_and_keeps_its_outpu
     assert out.token_ids == plain.token_ids
     assert out.stats.steps == 23 and calls == [1]  # the first token's proposals only, no decode step's
     assert engine.stats().steps_per_tree == {trees[1].name: 23}
+
+
+def test_what_one_lookup_tree_accepts_beyond_its_prior_lifts_the_other_lookup_trees():
+    from medusa.decoding.tree_policy import TreePolicy
+    from medusa.tree import TreeSpec
+
+    small, big = TreeSpec.load("tree-4").with_lookup(4), TreeSpec.load("tree-16").with_lookup(4)
+    heads_only = TreeSpec.load("tree-8")
+    policy = TreePolicy()
+    policy.prior = {small: 1.5, big: 2.0, heads_only: 1.8}
+    assert policy.lookup_bonus() == 0.0 and policy.expected_length(big) == 2.0
+    policy.observe(small, 2500, 1000)  # 2.5 tokens per step where the heads predicted 1.5
+    assert abs(policy.lookup_bonus() - 1.0) < 1e-9
+    assert abs(policy.expected_length(big) - 3.0) < 1e-9  # never observed: its prior + the chain's 1.0
+    assert policy.expected_length(heads_only) == 1.8  # no chain, no bonus
+    policy.observe(heads_only, 1000, 1000)
+    policy.observe(small, 0, 1000)  # the chain now looks worthless: the bonus never goes negative
+    assert policy.lookup_bonus() == 0.0
