@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from medusa.adapter import has_adapter
 from medusa.attention import CausalAttention
 from medusa.decoding.sampling_params import SamplingParams
-from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP, MedusaModel
+from medusa.medusa_model import MedusaModel
 from medusa.training.data import DATA_DIR
 from common import sync
 from plotting import pyplot
@@ -155,9 +155,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="at most this many questions in all")
     p.add_argument("--quick", action="store_true", help="4 questions, 8 tokens: a CPU smoke run (CI)")
-    p.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP,
+    p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
-                        "heads alone (default: %(default)s, the library's)")
+                        "heads alone (default: the library's, 4 on a GPU and 0 on a CPU)")
     args = p.parse_args()
     if args.quick:
         args.per_category, args.max_new_tokens, args.limit = 1, 8, 4
@@ -185,7 +185,7 @@ def main() -> None:
     for r in records:
         by_cat[r["category"]].append(r)
     summary = {"device": _device_name(), "tree_nodes": max(t.num_nodes for t in model.engine(True).scheduler.trees),
-               "tree_policy": policy, "prompt_lookup": args.prompt_lookup, "max_new_tokens": args.max_new_tokens,
+               "tree_policy": policy, "prompt_lookup": model.prompt_lookup, "max_new_tokens": args.max_new_tokens,
                "dtype": str(model.base.embed_tokens.weight.dtype), "overall": summarise(records),
                "categories": {c: summarise(rs) for c, rs in by_cat.items()}}
     (out / "results.json").write_text(json.dumps(summary, indent=2))

@@ -29,7 +29,7 @@ import torch
 from medusa.config import ModelConfig
 from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
-from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP
+from medusa.medusa_model import default_prompt_lookup
 from medusa.decoding.scheduler import SchedulerConfig
 from medusa.heads import HeadsConfig, MedusaHeads
 from medusa.loading import empty_model
@@ -167,14 +167,16 @@ def main() -> None:
     p.add_argument("--profile-steps", action="store_true",
                    help="run each level a second time with every step phase timed (benchmarks/phases.py)")
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 levels, 8 tokens (CPU, CI)")
-    p.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP,
+    p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
-                        "heads alone (default: %(default)s, the library's)")
+                        "heads alone (default: the library's, 4 on a GPU and 0 on a CPU)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.quick:
         args.models, args.concurrency, args.max_tokens, args.num_blocks = "tiny", [1, 4], 8, 128
+    if args.prompt_lookup is None:
+        args.prompt_lookup = default_prompt_lookup(device)
     rows = [r for name in args.models.split(",") for r in bench_model(name, args, device, dtype)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,9 @@
 One step forwards the whole tree (root + proposals) with the tree mask, asks the
 verifier for the accepted path, moves that path's KV into place, and proposes
 the next tree from the heads at the deepest accepted node. Plain decoding is the
-same loop with the single-node tree, so comparisons run identical code.
+same loop with the single-node tree, so comparisons run identical code. A tree's
+prompt-lookup chain (`TreeSpec.lookup`) gets the tokens after the latest earlier
+occurrence of the sequence's last few tokens, as in the engine.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.kv_cache import ContiguousKVCache
+from medusa.decoding.prompt_lookup import NgramIndex
 from medusa.decoding.proposer import Proposer, propose_from_heads
 from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
 from medusa.decoding.verifier import AcceptanceConfig, verify
@@ -75,9 +78,12 @@ class TreeDecoder:
         self._sync()
         self.stats.prefill_seconds = time.perf_counter() - start
         generated: list[int] = []
+        lookup = NgramIndex(prompt_ids) if self.tree.num_lookup else None
         while len(generated) < max_new_tokens:
             step_start = time.perf_counter()
             candidates = self.proposer(self.tree, root, head_logits, generated)  # [N]
+            if lookup is not None:
+                candidates = self._fill_lookup(candidates, lookup, len(prompt_ids), generated, root)
             hidden = self._forward(cache, candidates, cache.length + self.tree.depths, self.tree.mask)
             logits = self.model.compute_logits(hidden)
             verdict = verify(self.tree, candidates, logits, sampling, acceptance, sampler, len(generated) + 1)
@@ -89,6 +95,17 @@ class TreeDecoder:
             self.stats.accepted_lengths.append(len(tokens))
             self.stats.decode_seconds += time.perf_counter() - step_start
             yield tokens
+
+    def _fill_lookup(self, candidates: torch.Tensor, lookup: NgramIndex, prompt_len: int, generated: list[int],
+                     root: torch.Tensor) -> torch.Tensor:
+        """candidates [N] with the lookup chain's tokens proposed from prompt + generated + root.
+
+        The index holds a prefix of that sequence: the pending root becomes the first of the
+        next step's emitted tokens, at the same place, so the index only ever grows."""
+        known = len(lookup) - prompt_len  # generated tokens (and a former root) already indexed
+        lookup.extend(generated[known:] + [int(root)])
+        chain = torch.tensor(lookup.propose(self.tree.num_lookup), device=candidates.device)
+        return torch.cat([candidates[: self.tree.first_lookup_node], chain])
 
     def _prefill(self, cache: ContiguousKVCache, prompt_ids: list[int], sampling: SamplingConfig,
                  sampler: TokenSampler):

@@ -2,9 +2,10 @@
 
 A node at depth d with rank r takes head (d-1)'s r-th most likely token; all
 nodes of one depth draw from the same head, independent of their parent, as in
-Medusa. This batch-1 proposer keeps no n-gram index: a tree's prompt-lookup
-nodes (the engine fills them) get the root's token, which costs acceptance only. A proposer is any callable with the `Proposer` signature, which lets
-tests plug in an oracle that knows the right answer.
+Medusa. A tree's prompt-lookup nodes get the root's token here; the decoders
+overwrite them from their n-gram indexes. A proposer is any callable with the
+`Proposer` signature, which lets tests plug in an oracle that knows the right
+answer.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, no chat template")
     p.add_argument("--device", default=None)
+    p.add_argument("--prompt-lookup", type=int, default=None,
+                   help="prompt-lookup nodes (n-gram copies of earlier text) added to the tree; 0: the heads "
+                        "alone (default: the library's, 4)")
     p.add_argument("--compare", action="store_true",
                    help="also decode without speculation and report the measured speedup")
     p.set_defaults(run=_generate)
@@ -51,7 +54,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     heads = None if args.heads in (None, "none") else args.heads
     start = time.perf_counter()
-    model = MedusaModel.from_pretrained(args.model, heads=heads, device=args.device)
+    lookup = {} if args.prompt_lookup is None else {"prompt_lookup": args.prompt_lookup}
+    model = MedusaModel.from_pretrained(args.model, heads=heads, device=args.device, **lookup)
     if args.heads == "none":
         model.heads = None
     inputs = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
@@ -59,7 +63,9 @@ def _generate(args: argparse.Namespace) -> int:
                    top_k=args.top_k, seed=args.seed, stop=args.stop)
     tree = model.resolve_tree(args.tree)
     print(f"[loaded in {time.perf_counter() - start:.1f}s on {model.base.embed_tokens.weight.device}; "
-          f"tree: {tree.name or 'custom'} ({tree.num_nodes} nodes)]", file=sys.stderr)
+          f"tree: {tree.name or 'custom'} ({tree.num_nodes} nodes"
+          f"{f' + {model.prompt_lookup} prompt-lookup' if tree.num_nodes > 1 and model.prompt_lookup else ''})]",
+          file=sys.stderr)
     stream = model.generate(inputs, stream=True, tree=tree, **options)
     for delta in stream:
         print(delta, end="", flush=True)

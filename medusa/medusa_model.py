@@ -58,17 +58,25 @@ class GenerationStream:
         self.result = yield from self._chunks
 
 
-# Prompt-lookup nodes in the engine's trees unless the caller says otherwise: on the H200, 4 took the
-# shipped heads from 1.78 to 2.82 tokens per step on all of Spec-Bench (1.48x -> 2.33x; RESULTS.md, E4).
+# Prompt-lookup nodes in speculative trees on a GPU unless the caller says otherwise: on the H200, 4 took
+# the shipped heads from 1.78 to 2.82 tokens per step on all of Spec-Bench (1.48x -> 2.33x; RESULTS.md,
+# E4). On a CPU every tree node costs about a token's compute, and the chain made a general chat prompt
+# slower (0.85x -> 0.61x on 2 cores): none there by default.
 DEFAULT_PROMPT_LOOKUP = 4
+
+
+def default_prompt_lookup(device: torch.device) -> int:
+    return DEFAULT_PROMPT_LOOKUP if torch.device(device).type == "cuda" else 0
 
 
 class MedusaModel:
     def __init__(self, base: DecoderModel, tokenizer: Any, heads: MedusaHeads | None = None,
                  tree: TreeSpec | str | None = None, system_prompt: str | None = None,
-                 prompt_lookup: int = DEFAULT_PROMPT_LOOKUP) -> None:
+                 prompt_lookup: int | None = None) -> None:
         self.base, self.tokenizer, self.heads = base, tokenizer, heads
         self.system_prompt = system_prompt
+        if prompt_lookup is None:
+            prompt_lookup = default_prompt_lookup(base.embed_tokens.weight.device)
         EngineConfig(prompt_lookup=prompt_lookup)  # refuse a bad value now, not at the first engine
         self.prompt_lookup = prompt_lookup  # the engine's EngineConfig.prompt_lookup
         self.eos_token_ids = _eos_ids(base, tokenizer)
@@ -80,7 +88,7 @@ class MedusaModel:
     def from_pretrained(cls, path: str | Path | None = None, heads: str | Path | MedusaHeads | None = None,
                         tree: TreeSpec | str | None = None, dtype: torch.dtype | None = None,
                         device: str | torch.device | None = None,
-                        prompt_lookup: int = DEFAULT_PROMPT_LOOKUP) -> "MedusaModel":
+                        prompt_lookup: int | None = None) -> "MedusaModel":
         """A checkpoint folder or .gguf (None: the default model) with its heads.
 
         heads: a heads folder/file in our, FasterDecoding's or TGI's format, a
@@ -88,8 +96,8 @@ class MedusaModel:
         plain decoding, for any other model). tree: a TreeSpec, a named tree,
         "auto" (measure step cost on this device), or None (the heads' own tree,
         else "auto"). prompt_lookup: L > 0 adds L prompt-lookup nodes (n-gram copies of
-        earlier text) to the engine's speculative trees (default 4; 0 for the heads alone);
-        outputs are unchanged.
+        earlier text) to speculative trees; None: 4 on a GPU, 0 on a CPU (see
+        DEFAULT_PROMPT_LOOKUP); 0: the heads alone. Outputs are unchanged either way.
         """
         from medusa import default_model
 
@@ -217,8 +225,11 @@ class MedusaModel:
         raise TypeError("inputs must be a prompt string, a list of chat messages, or a list of token ids")
 
     def decoder(self, tree: TreeSpec | str | None = None) -> TreeDecoder:
-        """The decoder for a tree (cached per tree); None means the model's default choice."""
+        """The decoder for a tree (cached per tree), a speculative one with the model's prompt-lookup
+        chain; None means the model's default choice."""
         spec = self.resolve_tree(tree)
+        if self.prompt_lookup and spec.num_nodes > 1 and not spec.lookup:
+            spec = spec.with_lookup(self.prompt_lookup)
         if spec not in self._decoders:
             self._decoders[spec] = TreeDecoder(self.base, self.heads if spec.num_nodes > 1 else None, spec)
         return self._decoders[spec]

@@ -15,7 +15,6 @@ import time
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from medusa.decoding.kv_budget import CPU_BLOCKS
-    from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP
 
     p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--heads", default=None, help="heads folder/file; 'none' for plain decoding only")
@@ -26,9 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together in one step")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
-    p.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP,
+    p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes (n-gram copies of earlier text) in every Medusa tree; 0: off "
-                        "(default: %(default)s)")
+                        "(default: 4 on a GPU, 0 on a CPU)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="paged KV cache size per engine, in 16-token blocks (default: from --gpu-memory-utilization "
                         f"on a GPU, {CPU_BLOCKS} on a CPU)")
@@ -55,7 +54,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     start = time.perf_counter()
     heads = None if args.heads in (None, "none") else args.heads
-    model = MedusaModel.from_pretrained(args.model, heads=heads, device=args.device)
+    model = MedusaModel.from_pretrained(args.model, heads=heads, device=args.device, prompt_lookup=args.prompt_lookup)
     if args.heads == "none":
         model.heads = None
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
@@ -65,7 +64,7 @@ def serve(args: argparse.Namespace) -> int:
         args.max_num_seqs, EngineConfig.block_size)
     app = build_app(model, name, api_key=args.api_key, max_waiting=args.max_waiting,
                     engine_config=EngineConfig(num_blocks=num_blocks, scheduler=scheduler,
-                                               prompt_lookup=args.prompt_lookup))
+                                               prompt_lookup=model.prompt_lookup))
     print(f"[medusa serve: '{name}' loaded in {time.perf_counter() - start:.1f}s on "
           f"{model.base.embed_tokens.weight.device}; heads: {'yes' if model.heads is not None else 'none'}; "
           f"KV cache: {num_blocks} blocks of {EngineConfig.block_size} tokens per engine]",

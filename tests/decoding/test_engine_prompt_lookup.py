@@ -94,14 +94,33 @@ def test_seeded_sampling_is_batch_invariant_with_lookup(tiny):
     assert make_engine(model, None, 4).generate([repeating], params)[0].token_ids == alone
 
 
-def test_the_batch1_decoder_runs_lookup_trees(tiny):
-    """TreeDecoder has no n-gram index: its lookup nodes hold the root, and its output stays plain greedy."""
+@pytest.mark.parametrize("repeats", [False, True])
+def test_the_batch1_decoder_fills_lookup_chains_from_its_own_index(tiny, repeats):
+    """TreeDecoder proposes the chain from prompt + output like the engine: plain greedy output, and on a
+    prompt whose continuation repeats it, steps that emit more than the heads' 4 deep tree could."""
     model, heads = tiny
-    p = random_prompts(1, VOCAB, 40, seed=31)[0]
+    p = [5, 9, 2, 7] * 6 if repeats else random_prompts(1, VOCAB, 40, seed=31)[0]
+    decoder = TreeDecoder(model, heads, TreeSpec.load("tree-8").with_lookup(6))
     out = []
-    for chunk in TreeDecoder(model, heads, TreeSpec.load("tree-8").with_lookup(6)).decode(p, 15, SamplingConfig()):
+    for chunk in decoder.decode(p, 30, SamplingConfig()):
         out += chunk
-    assert out[:15] == plain_greedy(model, p, 15)
+    assert out[:30] == plain_greedy(model, p, 30)
+    if repeats:
+        assert max(decoder.stats.accepted_lengths) > 1 + 4  # past the heads: the chain was accepted
+
+
+def test_medusa_model_default_lookup_is_on_for_a_gpu_only(tiny):
+    import torch
+
+    from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP, MedusaModel, default_prompt_lookup
+
+    model, heads = tiny
+    assert default_prompt_lookup(torch.device("cuda")) == DEFAULT_PROMPT_LOOKUP > 0
+    assert default_prompt_lookup("cpu") == 0  # every tree node costs compute on a CPU
+    assert MedusaModel(model, None, heads).prompt_lookup == 0  # this model is on the CPU
+    medusa = MedusaModel(model, None, heads, prompt_lookup=3)
+    assert medusa.decoder("tree-8").tree.num_lookup == 3  # the batch-1 decoder gets the chain too
+    assert medusa.decoder("single").tree.num_lookup == 0
 
 
 @pytest.mark.parametrize("bad", [-1, 63, 100, 2.5, True])
