@@ -67,6 +67,7 @@ def serve(args: argparse.Namespace) -> int:
                                                prompt_lookup=model.prompt_lookup))
     print(f"[medusa serve: '{name}' loaded in {time.perf_counter() - start:.1f}s on "
           f"{model.base.embed_tokens.weight.device}; heads: {'yes' if model.heads is not None else 'none'}; "
+          f"prompt lookup: {model.prompt_lookup} nodes; "
           f"KV cache: {num_blocks} blocks of {EngineConfig.block_size} tokens per engine]",
           file=sys.stderr)
     server = _make_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
