@@ -246,11 +246,11 @@ def environment(log_path: Path | None) -> dict:
            "host": platform.node(), "cpu_count": os.cpu_count(), "git_commit": run(["git", "rev-parse", "HEAD"]),
            "git_dirty": bool(run(["git", "status", "--porcelain"])),
            "gpu": run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])}
-    loaded = re.search(r"\[medusa serve: '(.*)' loaded in .* on (\S+); heads: (\w+); KV cache: (\d+) blocks",
-                       log_path.read_text()) if log_path and log_path.exists() else None
+    loaded = re.search(r"\[medusa serve: '(.*)' loaded in .* on (\S+); heads: (\w+); prompt lookup: (\d+) nodes; "
+                       r"KV cache: (\d+) blocks", log_path.read_text()) if log_path and log_path.exists() else None
     if loaded:
         env.update(served_model=loaded.group(1), server_device=loaded.group(2), heads=loaded.group(3),
-                   kv_blocks=int(loaded.group(4)))
+                   prompt_lookup=int(loaded.group(4)), kv_blocks=int(loaded.group(5)))
     return env
 
 
