@@ -78,32 +78,29 @@ class TreeDecoder:
         self._sync()
         self.stats.prefill_seconds = time.perf_counter() - start
         generated: list[int] = []
-        lookup = NgramIndex(prompt_ids) if self.tree.num_lookup else None
+        # prompt + generated + the pending root, which the next step emits first
+        lookup = NgramIndex(prompt_ids + [int(root)]) if self.tree.num_lookup else None
         while len(generated) < max_new_tokens:
             step_start = time.perf_counter()
             candidates = self.proposer(self.tree, root, head_logits, generated)  # [N]
             if lookup is not None:
-                candidates = self._fill_lookup(candidates, lookup, len(prompt_ids), generated, root)
+                candidates = self._fill_lookup(candidates, lookup)
             hidden = self._forward(cache, candidates, cache.length + self.tree.depths, self.tree.mask)
             logits = self.model.compute_logits(hidden)
             verdict = verify(self.tree, candidates, logits, sampling, acceptance, sampler, len(generated) + 1)
             cache.commit(verdict.accepted)
             tokens = candidates[verdict.accepted].tolist()
             root = verdict.next_token
+            if lookup is not None:  # tokens[0] is the old root, already indexed; .tolist() has synced
+                lookup.extend(tokens[1:] + [int(root)])
             head_logits = self._head_logits(hidden[verdict.accepted[-1]])
             generated.extend(tokens)
             self.stats.accepted_lengths.append(len(tokens))
             self.stats.decode_seconds += time.perf_counter() - step_start
             yield tokens
 
-    def _fill_lookup(self, candidates: torch.Tensor, lookup: NgramIndex, prompt_len: int, generated: list[int],
-                     root: torch.Tensor) -> torch.Tensor:
-        """candidates [N] with the lookup chain's tokens proposed from prompt + generated + root.
-
-        The index holds a prefix of that sequence: the pending root becomes the first of the
-        next step's emitted tokens, at the same place, so the index only ever grows."""
-        known = len(lookup) - prompt_len  # generated tokens (and a former root) already indexed
-        lookup.extend(generated[known:] + [int(root)])
+    def _fill_lookup(self, candidates: torch.Tensor, lookup: NgramIndex) -> torch.Tensor:
+        """candidates [N] with the lookup chain's tokens proposed from the index (prompt + output + root)."""
         chain = torch.tensor(lookup.propose(self.tree.num_lookup), device=candidates.device)
         return torch.cat([candidates[: self.tree.first_lookup_node], chain])
 

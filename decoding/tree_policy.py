@@ -50,6 +50,7 @@ class TreePolicy:
         self.prior: dict[TreeSpec, float] = {}  # predicted accepted length per tree
         self.step_cost: dict[int, dict[TreeSpec, float]] = {}  # bucket -> tree -> seconds per step
         self.observed: dict[TreeSpec, tuple[int, int]] = {}  # tree -> (tokens emitted, sequence-steps)
+        self._lookup_gain = (0.0, 0)  # over lookup trees with a prior: (tokens beyond the prior, sequence-steps)
         self.wall: dict[int, dict[TreeSpec, tuple[float, int]]] = {}  # bucket -> tree -> (seconds, steps)
         self.plain_run: dict[int, int] = {}  # bucket -> plain steps since its last speculative one
 
@@ -67,6 +68,9 @@ class TreePolicy:
     def observe(self, tree: TreeSpec, emitted: int, sequence_steps: int) -> None:
         tokens, steps = self.observed.get(tree, (0, 0))
         self.observed[tree] = (tokens + emitted, steps + sequence_steps)
+        if tree.lookup and tree in self.prior:  # kept as it comes: choose() reads the bonus every step
+            extra, seen = self._lookup_gain
+            self._lookup_gain = (extra + emitted - self.prior[tree] * sequence_steps, seen + sequence_steps)
 
     def observe_step(self, bucket: int, tree: TreeSpec, seconds: float) -> None:
         """A decode step's wall time, host work included, at this (padded) batch size."""
@@ -112,12 +116,8 @@ class TreePolicy:
         """Tokens per step that prompt-lookup chains have added over the heads' prediction, over every
         lookup tree observed so far. The prior counts head nodes only; the chain adds about the same
         to every tree, so what one lookup tree shows lifts the others' prior too (never below 0)."""
-        extra = steps = 0.0
-        for tree, (tokens, seen) in self.observed.items():
-            if tree.lookup and tree in self.prior:
-                extra += tokens - self.prior[tree] * seen
-                steps += seen
-        return max(0.0, extra / steps) if steps else 0.0
+        extra, seen = self._lookup_gain
+        return max(0.0, extra / seen) if seen else 0.0
 
     def choose(self, bucket: int) -> TreeSpec:
         """The tree with the most expected tokens per second at this (padded) batch size,
