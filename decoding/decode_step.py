@@ -126,7 +126,7 @@ class DecodeStep:
         at = torch.tensor(rows, device=self.device)
         self.roots[at] = torch.tensor(roots, device=self.device)
         if self.heads is not None and self.kmax:
-            logits = self.heads(last_hidden, self.model.lm_head.weight)  # [K, n, V]
+            logits = self.heads(last_hidden, self.model.lm_head.weight, roots=self.roots[at])  # [K, n, V]
             self.topk[at] = logits.topk(self.kmax, dim=-1).indices.transpose(0, 1)  # [n, K, kmax]
 
     # ---- one step ---------------------------------------------------------
@@ -275,7 +275,7 @@ class DecodeStep:
         self.roots[rows] = next_tokens
         if self.kmax and (propose or tree.num_nodes > 1):
             at_best = part1.hidden.view(padded, n, -1)[torch.arange(padded, device=self.device), best]  # [Bp, H]
-            head_logits = self.heads(at_best, self.model.lm_head.weight)  # [K, Bp, V]
+            head_logits = self.heads(at_best, self.model.lm_head.weight, roots=next_tokens)  # [K, Bp, V]
             self.topk[rows] = head_logits.topk(self.kmax, dim=-1).indices.transpose(0, 1)
         return torch.cat([count[:, None], tokens, best[:, None]], dim=1)  # best: did the lookup chain win
 

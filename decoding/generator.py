@@ -93,7 +93,7 @@ class TreeDecoder:
             root = verdict.next_token
             if lookup is not None:  # tokens[0] is the old root, already indexed; .tolist() has synced
                 lookup.extend(tokens[1:] + [int(root)])
-            head_logits = self._head_logits(hidden[verdict.accepted[-1]])
+            head_logits = self._head_logits(hidden[verdict.accepted[-1]], root)
             generated.extend(tokens)
             self.stats.accepted_lengths.append(len(tokens))
             self.stats.decode_seconds += time.perf_counter() - step_start
@@ -114,18 +114,18 @@ class TreeDecoder:
         logits = self.model.compute_logits(last[None])  # [1, V]
         first = torch.zeros(1, dtype=torch.long, device=self.device)  # output index 0
         root = logits[0].argmax() if sampling.greedy else sampler(target_probs(logits, sampling), first)[0]
-        return root, self._head_logits(last)
+        return root, self._head_logits(last, root)
 
     def _forward(self, cache: ContiguousKVCache, ids: torch.Tensor, positions: torch.Tensor,
                  step_mask: torch.Tensor) -> torch.Tensor:
         cache.begin(positions, step_mask)
         return self.model(ids, positions, cache)  # [T, H]
 
-    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [H] -> [K, V], or None for plain decoding."""
+    def _head_logits(self, hidden: torch.Tensor, root) -> torch.Tensor | None:
+        """hidden [H] and the root it emits ([] tensor or int) -> [K, V], or None for plain decoding."""
         if self.heads is None or self.tree.num_nodes == 1:
             return None
-        return self.heads(hidden, self.model.lm_head.weight)
+        return self.heads(hidden, self.model.lm_head.weight, roots=torch.as_tensor(root, device=hidden.device))
 
     def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:

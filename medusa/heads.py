@@ -10,6 +10,17 @@ one of:
   (B zero-initialised, so training starts from "shared"),
 - "full": a per-head [vocab, hidden] matrix, as in the original Medusa-1.
 
+With `condition_on_root`, every head also reads the root: the token the base
+emits at the same position (its argmax, or its draw when sampling), which is
+known before the heads run, both in training (the next token of the sequence)
+and at decoding time (the next tree's root). Its embedding (the row of the
+lm_head matrix, RMS-normalised) enters each head through a per-head [H, H]
+projection added to the hidden state; the projection starts at zero, so a fresh
+head is a plain Medusa head. Head k at position t still predicts token t+k+2,
+but no longer has to guess token t+1 on the way: the feature-plus-token input
+that EAGLE and Hydra showed to lift draft accuracy, for the cost of one small
+batched matmul.
+
 Checkpoints: `save_pretrained` writes `config.json` + `heads.safetensors`;
 `from_pretrained` also reads the FasterDecoding/Medusa, text-generation-inference
 and Medusa-2 full-model layouts (see `medusa.heads_formats`).
@@ -87,10 +98,13 @@ class HeadsConfig:
     base_model: str | None = None  # name or path of the base the heads were trained for
     tree: list[list[int]] | None = None  # a tree tuned for these heads
     accuracies: list[list[float]] | None = None  # [num_heads][K] top-k accuracies
+    condition_on_root: bool = False  # heads also read the embedding of the root token (module docstring)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "num_heads", "num_layers", "lora_rank"):
             _positive_int(name, getattr(self, name))
+        if not isinstance(self.condition_on_root, bool):
+            raise ValueError(f"HeadsConfig.condition_on_root must be true or false, got {self.condition_on_root!r}")
         if self.lm_head not in LM_HEAD_KINDS:
             raise ValueError(f"HeadsConfig.lm_head must be one of {LM_HEAD_KINDS}, got {self.lm_head!r}")
         if self.base_model is not None:
@@ -135,7 +149,7 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """K Medusa heads. `forward(hidden [..., H], lm_head_weight [V, H]) -> [K, ..., V]`."""
+    """K Medusa heads. `forward(hidden [..., H], lm_head_weight [V, H], roots [...]) -> [K, ..., V]`."""
 
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
@@ -154,18 +168,24 @@ class MedusaHeads(nn.Module):
             self.lora_B = nn.Parameter(torch.zeros(k, v, r))  # [K, V, r]
         elif config.lm_head == "full":
             self.lm_heads = nn.Parameter(torch.empty(k, v, h).uniform_(-bound, bound))  # [K, V, H]
+        if config.condition_on_root:
+            self.root_proj = nn.Parameter(torch.zeros(k, h, h))  # [K, H_in, H_out], zero: starts as plain Medusa
 
-    def hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Residual stacks only: [..., H] -> [num_heads, ..., H]."""
-        h = self.config.hidden_size
+    def hidden_states(self, hidden: torch.Tensor, root_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Residual stacks only: [..., H] (and root embeddings [..., H]) -> [num_heads, ..., H]."""
+        h, k = self.config.hidden_size, self.config.num_heads
         if hidden.shape[-1] != h:
             raise ValueError(f"hidden has last dim {hidden.shape[-1]}, expected hidden_size={h}")
         x = hidden.to(self.heads[0][0].linear.weight.dtype)
+        flat = x.reshape(1, -1, h).expand(k, -1, -1)  # [K, N, H]
+        if self.config.condition_on_root:
+            e = root_embeds.to(x.dtype).reshape(1, -1, h).expand(k, -1, -1)
+            e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)  # unit RMS whatever the base's scale
+            flat = flat + torch.bmm(e, self.root_proj)  # [K, N, H]
         if torch.is_grad_enabled():  # training: the modules themselves, so every weight gets its gradient
-            return torch.stack([head(x) for head in self.heads])
+            return torch.stack([head(flat[i]) for i, head in enumerate(self.heads)]).reshape(k, *x.shape)
         # Inference: each layer of all K heads is one batched matmul (3 kernels a layer, not 3 x K);
         # the decode step runs this every step, where launches, not FLOPs, cost the time.
-        flat = x.reshape(1, -1, h).expand(self.config.num_heads, -1, -1)  # [K, N, H]
         for weight, bias in self._stacked_layers():
             flat = flat + F.silu(torch.baddbmm(bias, flat, weight))  # [K, N, H]
         return flat.reshape(self.config.num_heads, *x.shape)
@@ -180,10 +200,16 @@ class MedusaHeads(nn.Module):
             self._stack_key = key
         return self._stack
 
-    def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Head logits [num_heads, ..., V]; lm_head_weight [V, H] is ignored for "full"."""
+    def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor | None = None,
+                roots: torch.Tensor | None = None) -> torch.Tensor:
+        """Head logits [num_heads, ..., V].
+
+        lm_head_weight [V, H] is ignored for "full" heads that do not condition on the root.
+        roots [...] (hidden's leading shape) are the root token ids; heads that do not
+        condition on the root ignore them, so callers may always pass them.
+        """
         cfg = self.config
-        states = self.hidden_states(hidden)  # [K, ..., H]
+        states = self.hidden_states(hidden, self._root_embeds(hidden, lm_head_weight, roots))  # [K, ..., H]
         lead = states.shape[1:-1]
         flat = states.reshape(cfg.num_heads, -1, cfg.hidden_size)  # [K, N, H]
         if cfg.lm_head == "full":
@@ -197,6 +223,20 @@ class MedusaHeads(nn.Module):
                 delta = torch.bmm(low, self.lora_B.transpose(1, 2))  # [K, N, V]
                 logits = logits + delta.to(logits.dtype)
         return logits.reshape(cfg.num_heads, *lead, cfg.vocab_size)
+
+    def _root_embeds(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor | None,
+                     roots: torch.Tensor | None) -> torch.Tensor | None:
+        """The roots' rows of the lm_head matrix [..., H], or None for heads that do not read them."""
+        if not self.config.condition_on_root:
+            return None
+        if roots is None:
+            raise ValueError("these heads condition on the root token (condition_on_root): pass roots=")
+        if tuple(roots.shape) != tuple(hidden.shape[:-1]):
+            raise ValueError(f"roots has shape {tuple(roots.shape)}, expected hidden's leading shape "
+                             f"{tuple(hidden.shape[:-1])}")
+        if lm_head_weight is None:
+            raise ValueError("these heads condition on the root token: they need lm_head_weight [V, H] to embed it")
+        return F.embedding(roots, self._check_lm_head(lm_head_weight))
 
     def _check_lm_head(self, weight: torch.Tensor | None) -> torch.Tensor:
         cfg = self.config

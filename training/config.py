@@ -28,6 +28,9 @@ class HeadsSection:
     num_layers: int = 1
     lm_head: str = "shared"
     lora_rank: int = 16
+    # heads also read the root token's embedding (medusa/heads.py): a fresh run's default; set false
+    # for plain Medusa heads, which every other Medusa implementation can load
+    condition_on_root: bool = True
     # trained heads to start from (a heads folder): e.g. Medusa-2 from Medusa-1 heads, the paper's
     # two-stage recipe, so the heads' gradients into the LoRA carry signal from the first step
     init_from: str | None = None

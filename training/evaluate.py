@@ -17,6 +17,7 @@ from medusa.attention import CausalAttention
 from medusa.heads import MedusaHeads
 from medusa.model import DecoderModel
 from medusa.tree import TreeSpec
+from medusa.training.losses import next_tokens
 
 
 @dataclass
@@ -38,7 +39,7 @@ def head_topk(model: DecoderModel, heads: MedusaHeads, ids: torch.Tensor, k: int
     """ids [B, T] -> top-k token ids of every head at every position [B, T, K, k]."""
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     hidden = model(ids, positions, CausalAttention())  # [B, T, H]
-    logits = heads(hidden, model.lm_head.weight)  # [K, B, T, V]
+    logits = heads(hidden, model.lm_head.weight, roots=next_tokens(ids))  # [K, B, T, V]
     return logits.topk(k, dim=-1).indices.permute(1, 2, 0, 3)
 
 

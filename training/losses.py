@@ -33,6 +33,15 @@ def head_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: in
     return targets, valid
 
 
+def next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+    """The root each position's heads read: token t + 1, [..., T] -> [..., T].
+
+    The last position has none; it gets the first token, and no head target there is valid
+    (head k's target t + k + 2 is past the end).
+    """
+    return torch.roll(input_ids, -1, dims=-1)
+
+
 def medusa_loss(head_logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 decay: float = 0.8, base_logits: torch.Tensor | None = None, soft_weight: float = 0.0) -> HeadLoss:
     """head_logits [K, B, T, V]; loss only where the target is a response token.

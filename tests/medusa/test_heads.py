@@ -173,6 +173,60 @@ def test_forward_input_errors():
         model(torch.randn(2, H), torch.randn(V + 1, H))
 
 
+# ---------------------------------------------------------------- root conditioning
+
+
+def _root_reference(model: MedusaHeads, x: torch.Tensor, roots: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+    """By hand: each head's input is x + rms_normalised(lm[root]) @ root_proj[k]."""
+    e = lm[roots]
+    e = e / e.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    out = []
+    for k, head in enumerate(model.heads):
+        h = x + e @ model.root_proj[k]
+        for block in head:
+            h = h + F.silu(h @ block.linear.weight.T + block.linear.bias)
+        out.append(h @ lm.T)
+    return torch.stack(out)
+
+
+def test_root_conditioned_heads_start_as_plain_heads_and_then_read_the_root():
+    plain = _randomise(MedusaHeads(_cfg(num_heads=3, num_layers=2)))
+    rooted = MedusaHeads(_cfg(num_heads=3, num_layers=2, condition_on_root=True))
+    missing, unexpected = rooted.load_state_dict(plain.state_dict(), strict=False)
+    assert missing == ["root_proj"] and not unexpected
+    x, lm = torch.randn(2, 5, H), torch.randn(V, H)
+    roots = torch.randint(0, V, (2, 5))
+    torch.testing.assert_close(rooted(x, lm, roots=roots), plain(x, lm), rtol=0, atol=0)
+    _randomise(rooted, seed=3)
+    other = (roots + 1) % V
+    assert not torch.allclose(rooted(x, lm, roots=roots), rooted(x, lm, roots=other))
+    # training path (per-head modules) and inference path (batched) both match the definition
+    torch.testing.assert_close(rooted(x, lm, roots=roots), _root_reference(rooted, x, roots, lm))
+    with torch.no_grad():
+        torch.testing.assert_close(rooted(x, lm, roots=roots), _root_reference(rooted, x, roots, lm))
+    rooted(x, lm, roots=roots).sum().backward()
+    assert torch.count_nonzero(rooted.root_proj.grad) > 0
+
+
+def test_root_conditioned_heads_input_errors_and_roundtrip(tmp_path):
+    model = _randomise(MedusaHeads(_cfg(num_heads=2, condition_on_root=True)))
+    x, lm = torch.randn(3, H), torch.randn(V, H)
+    with pytest.raises(ValueError, match="roots="):
+        model(x, lm)
+    with pytest.raises(ValueError, match="roots has shape"):
+        model(x, lm, roots=torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="condition_on_root"):
+        _cfg(condition_on_root="yes")
+    # plain heads ignore roots, so callers can always pass them
+    plain = MedusaHeads(_cfg(num_heads=2))
+    assert torch.equal(plain(x, lm, roots=torch.zeros(3, dtype=torch.long)), plain(x, lm))
+    model.save_pretrained(tmp_path / "h")
+    loaded = MedusaHeads.from_pretrained(tmp_path / "h")
+    assert loaded.config.condition_on_root and torch.equal(loaded.root_proj, model.root_proj)
+    roots = torch.tensor([1, 2, 3])
+    assert torch.equal(loaded(x, lm, roots=roots), model(x, lm, roots=roots))
+
+
 # ---------------------------------------------------------------- our format
 
 

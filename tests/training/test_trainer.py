@@ -121,3 +121,35 @@ def test_soft_targets_train_the_heads_too(tmp_path):
     state = make_trainer(tmp_path, "train.epochs=20", "train.save_every=0", "train.soft_targets=0.5").train()
     first, last = state.history[0], state.history[-1]
     assert last["heads_loss"] < first["heads_loss"] and last["top1_0"] > 0.6 > first["top1_0"]
+
+
+def paired_data(n=64):
+    """Random tokens a, each followed by a + 5: at a pair's end, the token after next is readable only
+    from the next token (the root), never from the hidden state alone."""
+    g = torch.Generator().manual_seed(1)
+    seqs = []
+    for _ in range(n):
+        firsts = torch.randint(48, (10,), generator=g).tolist()
+        seqs.append([1, 2, 3, 4] + [t for a in firsts for t in (a, (a + 5) % 48)])
+    return Sequences.from_lists(seqs, [4] * n)
+
+
+@pytest.mark.parametrize("rooted", [True, False])
+def test_heads_that_read_the_root_learn_what_plain_heads_cannot(tmp_path, rooted):
+    config = load_config(None, [f"output_dir={tmp_path}", "train.max_tokens_per_batch=512", "train.log_every=1",
+                                "train.lr=2e-2", "heads.num_heads=1", "train.epochs=30", "train.save_every=0",
+                                f"heads.condition_on_root={str(rooted).lower()}"])
+    history = Trainer(config, tiny_base(), paired_data()).train().history
+    top1 = sum(m["top1_0"] for m in history[-10:]) / 10
+    # head 0 can be right at every pair's end (half the positions) only when it sees the root
+    assert top1 > 0.4 if rooted else top1 < 0.15
+
+
+def test_plain_heads_can_start_root_conditioned_ones_not_the_reverse(tmp_path):
+    make_trainer(tmp_path / "a", "heads.condition_on_root=false").unwrapped_heads().save_pretrained(tmp_path / "p")
+    rooted = make_trainer(tmp_path / "b", f"heads.init_from={tmp_path / 'p'}")
+    assert rooted.unwrapped_heads().config.condition_on_root
+    assert not rooted.unwrapped_heads().root_proj.any()  # starts as the plain heads
+    rooted.unwrapped_heads().save_pretrained(tmp_path / "r")
+    with pytest.raises(ValueError, match="condition_on_root=true"):
+        make_trainer(tmp_path / "c", f"heads.init_from={tmp_path / 'r'}", "heads.condition_on_root=false")
