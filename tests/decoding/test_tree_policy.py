@@ -128,7 +128,7 @@ def test_an_engine_settled_on_plain_decoding_skips_the_heads_and_keeps_its_outpu
     timed(engine.policy, 1, trees[1], 1.0)
     calls = []
     heads = engine.runner.decode.heads
-    engine.runner.decode.heads = lambda *a: calls.append(1) or heads(*a)
+    engine.runner.decode.heads = lambda *a, **k: calls.append(1) or heads(*a, **k)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     out = engine.generate([[5, 6, 7]], params)[0]
     plain = LLMEngine(engine.model, None).generate([[5, 6, 7]], params)[0]
