@@ -15,7 +15,7 @@ from torch import nn
 
 from medusa.attention import AttentionBackend
 from medusa.config import ModelConfig
-from medusa.layers import FusedLinear, RMSNorm, silu_and_mul
+from medusa.layers import FusedLinear, RMSNorm, norm_linear, silu_mul_linear
 from medusa.rope import RotaryEmbedding
 
 
@@ -28,10 +28,11 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 attn: AttentionBackend) -> torch.Tensor:
-        lead = x.shape[:-1]  # [..., T]
-        qkv = self.qkv_proj(x)
+        """qkv [..., T, (Hq + 2 Hkv) D]: qkv_proj's output, which the decoder layer computes
+        together with the input norm -> o_proj's output [..., T, H]."""
+        lead = qkv.shape[:-1]  # [..., T]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(*lead, self.num_heads, self.head_dim)  # [..., T, Hq, D]
@@ -53,8 +54,10 @@ class MLP(nn.Module):
         self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias=False)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [..., T, 2I]: gate_up_proj's output, which the decoder layer computes together
+        with the post-attention norm -> down_proj(silu(gate) * up) [..., T, H]."""
+        return silu_mul_linear(self.down_proj, gate_up)
 
 
 class DecoderLayer(nn.Module):
@@ -69,15 +72,13 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output (before its residual add); residual: the stream so far (None at layer 0).
 
         Returns (this layer's MLP output, residual stream up to it); adding the
-        two is fused into the next norm.
+        two is fused into the next norm. Each norm runs with the projection after it
+        (one kernel each with MEDUSA_FUSED_MATMUL=1 on a GPU; see `norm_linear`).
         """
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, positions, rotary, attn)
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        h = self.self_attn(qkv, positions, rotary, attn)
+        gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual)
+        return self.mlp(gate_up), residual
 
 
 class DecoderModel(nn.Module):

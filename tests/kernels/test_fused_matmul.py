@@ -179,6 +179,39 @@ def test_launch_config_fills_the_gpu_with_column_tiles(monkeypatch):
     assert fm._launch_config(3, 100, 64, x.float())["BLOCK_K"] == 64
 
 
+def test_model_layers_take_the_fused_kernels_when_enabled(monkeypatch):
+    """The tiny Llama with the fused path forced on (interpreter on the CPU) gives the unfused logits."""
+    import medusa.layers
+    from medusa.attention import CausalAttention
+    from tiny_models import tiny_decoder
+
+    model, _ = tiny_decoder(vocab=40, num_layers=2)
+    model.to(DEVICE)
+    ids = torch.randint(0, 40, (5,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    pos = torch.arange(5, device=DEVICE)
+    with torch.no_grad():
+        want = model.compute_logits(model(ids, pos, CausalAttention()))
+        calls = []
+        monkeypatch.setattr(medusa.layers, "use_fused_matmul", lambda *a: calls.append(a) or True)
+        got = model.compute_logits(model(ids, pos, CausalAttention()))
+    assert len(calls) == 3 * 2  # two norms and the SiLU per layer
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_switch_is_off_by_default_and_needs_cuda(monkeypatch):
+    from medusa.kernels.dispatch import use_fused_matmul
+
+    x = torch.ones(4, 8)
+    monkeypatch.delenv("MEDUSA_FUSED_MATMUL", raising=False)
+    assert not use_fused_matmul(x)
+    monkeypatch.setenv("MEDUSA_FUSED_MATMUL", "1")
+    assert not use_fused_matmul(x, None)  # CPU tensors always take the references
+    if torch.cuda.is_available():
+        with torch.no_grad():
+            assert use_fused_matmul(x.cuda(), None, torch.ones(8, device="cuda"))
+            assert not use_fused_matmul(torch.ones(513, 8, device="cuda"))  # prefill-sized: cuBLAS
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n,inter", [(576, 960, 1536), (2048, 3072, 8192), (4096, 6144, 14336)])
 @pytest.mark.parametrize("m", [1, 8, 64])
@@ -194,3 +227,30 @@ def test_full_size_bf16(k, n, inter, m):
     gate_up, w_down = rand(g, m, 2 * inter, dtype=BF16), rand(g, k, inter, dtype=BF16, scale=inter ** -0.5)
     got = fm.silu_mul_matmul_triton(gate_up, w_down)
     assert close(got, silu_mul_matmul_reference(gate_up, w_down), BF16, equal_share=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_tiny_llama_on_cuda_with_and_without_fused_matmul(dtype, monkeypatch):
+    """Same logits (to the dtype's precision) and the same greedy tokens with the switch on and off."""
+    from medusa.attention import CausalAttention
+    from tiny_models import tiny_decoder
+
+    model, _ = tiny_decoder(vocab=64, num_layers=3, logit_scale=4.0)
+    model.to("cuda", dtype)
+    prompt = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def greedy(switch: str, steps: int = 8):
+        monkeypatch.setenv("MEDUSA_FUSED_MATMUL", switch)
+        ids, first = prompt, None
+        with torch.no_grad():
+            for _ in range(steps):
+                logits = model.compute_logits(model(ids, torch.arange(len(ids), device="cuda"), CausalAttention()))
+                first = logits if first is None else first
+                ids = torch.cat([ids, logits[-1].argmax().view(1)])
+        return first.float(), ids
+
+    (plain, plain_ids), (fused, fused_ids) = greedy("0"), greedy("1")
+    tol = 1e-4 if dtype == FP32 else 3e-2
+    assert torch.allclose(fused, plain, atol=tol * plain.abs().max().item(), rtol=tol)
+    assert torch.equal(fused_ids, plain_ids)
