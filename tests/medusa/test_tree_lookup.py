@@ -42,6 +42,7 @@ def test_lookup_variants_are_distinct_keys():
     a, b = SMALL.with_lookup(3), SMALL.with_lookup(2)
     assert a != SMALL and a != b and hash(a) != hash(SMALL)
     assert a == TreeSpec(SMALL.paths, lookup=3)  # names are labels, as for plain trees
+    assert hash(a) == hash(TreeSpec(SMALL.paths, name="other", lookup=3))  # the cached hash ignores them too
     assert len({SMALL, a, b, SMALL.with_lookup(3)}) == 3
     assert a.name == "small+lookup3" and a.with_lookup(2).name == "small+lookup2"
     assert a.with_lookup(0) == SMALL and a.with_lookup(0).name == "small"
