@@ -195,7 +195,8 @@ class LLMEngine:
                     continue
                 if self.policy.add_prior(tree, accuracies):
                     # a plain step that stays plain skips the heads: that is its cost; the variant
-                    # with heads (the step before a revisit) is captured now, not mid-run
+                    # with heads (the step before a revisit, or plain decoding's re-timing step
+                    # amid speculation) is captured now, not mid-run
                     plain = tree.num_nodes == 1
                     seconds = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks,
                                              propose=not plain)

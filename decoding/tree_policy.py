@@ -17,23 +17,47 @@ detokenizing each emitted token), which grows with the batch and with the
 tokens a step emits: on an H200 a plain step of the default model took 1.08 ms
 as a graph but 1.52 ms in the engine, and a Medusa step 2.07 ms. So the engine
 reports every decode step's wall time, and once a tree has run a few steps at
-a batch size its measured wall time replaces the graph time there. A tree not
+a batch size the median of its latest wall times replaces the graph time there
+(a median, because single steps catch a GC pause or another phase's late GPU
+work, and one such step must not make a tree look dear for good). A tree not
 yet run at that size is charged its graph time plus the host time measured
-there for trees of its kind (speculative or plain). Each batch size tries the
-plain step for a few steps too, so speculation is kept only where it beats
-plain decoding on the clock. While a batch size runs plain, its best
-speculative tree still gets one step in every REVISIT_STEPS, so a change of
-traffic (or a slow start) cannot switch speculation off for good.
+there for trees of its kind (else for any tree: a plain step's host time is a
+floor for every step's).
+
+Each batch size tries its best tree and the plain step for a few steps, then
+runs the one with the most tokens per second; speculation must beat plain
+decoding by MARGIN, for what the step times cannot see (requests that finish at
+scattered steps are admitted one prefill at a time, new rows run the heads). A
+long run of one kind gives the best of the other kind one step (every
+REVISIT_STEPS steps), so neither a change of traffic nor one unlucky timing can
+switch speculation off, or plain decoding out, for good.
+
+A batch size whose trees are untried borrows the decision of the nearest
+smaller batch size that has made one, when that decision is plain decoding: a
+tree costs more against a plain step the more rows it has while it accepts the
+same, so speculation that loses at the smaller size loses here too. Large
+batch sizes then never try trees (a 16-node tree at 64 rows is a 1024-token
+step) as a batch fills or drains through them, and never revisit them.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
 
 from medusa.tree import TreeSpec
 
 PRIOR_STEPS = 16  # how many observed sequence-steps the heads' prediction is worth
 TRIAL_STEPS = 4  # wall-timed steps a tree runs at a batch size before its own timing is trusted there
-WALL_EMA = 0.25  # weight of the newest step in a tree's running wall time
-REVISIT_STEPS = 200  # plain steps at a batch size before its best speculative tree runs one step again
+# a tree's wall time at a batch size is the median of its last WALL_WINDOW steps there: two slow steps
+# in five move it little, three new steps (three revisits for a kind that is not running) replace it
+WALL_WINDOW = 5
+REVISIT_STEPS = 200  # steps of one kind (plain or speculative) at a batch size before the other kind runs one
+SETTLE_STEPS = 8  # a batch size running its decided tree re-decides every SETTLE_STEPS steps of it
+# Speculation must promise this many times plain decoding's tokens per second: near a tie, noise and the
+# costs outside the decode step (scattered finishes, so one prefill per request; heads for new rows) decide
+MARGIN = 1.1
 
 
 def unmeasured_prior(num_heads: int, ranks: int = 10) -> list[list[float]]:
@@ -45,14 +69,32 @@ def unmeasured_prior(num_heads: int, ranks: int = 10) -> list[list[float]]:
     return [[0.3 * 0.6 ** h * 0.5 ** r for r in range(ranks)] for h in range(num_heads)]
 
 
+@dataclass
+class WallTime:
+    """A tree's measured step time at one batch size: the median of its last WALL_WINDOW steps."""
+
+    recent: deque = field(default_factory=lambda: deque(maxlen=WALL_WINDOW))  # seconds
+    seconds: float = 0.0
+    steps: int = 0  # all steps ever timed, not only the recent ones
+
+    def add(self, seconds: float) -> None:
+        self.recent.append(seconds)
+        self.seconds = median(self.recent)
+        self.steps += 1
+
+
 class TreePolicy:
     def __init__(self) -> None:
         self.prior: dict[TreeSpec, float] = {}  # predicted accepted length per tree
-        self.step_cost: dict[int, dict[TreeSpec, float]] = {}  # bucket -> tree -> seconds per step
+        self.step_cost: dict[int, dict[TreeSpec, float]] = {}  # bucket -> tree -> graph seconds per step
+        self.plain: dict[int, TreeSpec] = {}  # bucket -> its plain (fewest-node) tree
         self.observed: dict[TreeSpec, tuple[int, int]] = {}  # tree -> (tokens emitted, sequence-steps)
         self._lookup_gain = (0.0, 0)  # over lookup trees with a prior: (tokens beyond the prior, sequence-steps)
-        self.wall: dict[int, dict[TreeSpec, tuple[float, int]]] = {}  # bucket -> tree -> (seconds, steps)
-        self.plain_run: dict[int, int] = {}  # bucket -> plain steps since its last speculative one
+        self.wall: dict[int, dict[TreeSpec, WallTime]] = {}  # bucket -> tree -> measured wall time
+        self.run: dict[int, tuple[bool, int]] = {}  # bucket -> (speculative, steps in a row of that kind)
+        self.decision: dict[int, TreeSpec] = {}  # bucket -> its best tree, once it and plain are tried
+        self.speculated: set[int] = set()  # buckets where some speculative tree has run its trial
+        self._host: dict[tuple[int, bool | None], float] = {}  # (bucket, speculative or None: any) -> seconds
 
     def add_prior(self, tree: TreeSpec, accuracies) -> bool:
         """Predict the tree's accepted length; False if the accuracies do not cover its heads or ranks."""
@@ -64,48 +106,80 @@ class TreePolicy:
 
     def add_cost(self, bucket: int, tree: TreeSpec, seconds: float) -> None:
         self.step_cost.setdefault(bucket, {})[tree] = seconds
+        if bucket not in self.plain or tree.num_nodes < self.plain[bucket].num_nodes:
+            self.plain[bucket] = tree
 
     def observe(self, tree: TreeSpec, emitted: int, sequence_steps: int) -> None:
         tokens, steps = self.observed.get(tree, (0, 0))
         self.observed[tree] = (tokens + emitted, steps + sequence_steps)
-        if tree.lookup and tree in self.prior:  # kept as it comes: choose() reads the bonus every step
+        if tree.lookup and tree in self.prior:  # kept as it comes, not summed over the trees per decision
             extra, seen = self._lookup_gain
             self._lookup_gain = (extra + emitted - self.prior[tree] * sequence_steps, seen + sequence_steps)
 
     def observe_step(self, bucket: int, tree: TreeSpec, seconds: float) -> None:
         """A decode step's wall time, host work included, at this (padded) batch size."""
-        mean, steps = self.wall.setdefault(bucket, {}).get(tree, (seconds, 0))
-        self.wall[bucket][tree] = (mean + WALL_EMA * (seconds - mean) if steps else seconds, steps + 1)
-        self.plain_run[bucket] = self.plain_run.get(bucket, 0) + 1 if tree.num_nodes == 1 else 0
+        wall = self.wall.setdefault(bucket, {}).setdefault(tree, WallTime())
+        wall.add(seconds)
+        kind = tree.num_nodes > 1
+        last, steps = self.run.get(bucket, (kind, 0))
+        self.run[bucket] = (kind, steps + 1 if last == kind else 1)
+        if kind and wall.steps >= TRIAL_STEPS:
+            self.speculated.add(bucket)
+        # A decided tree's numbers move little from one of its steps to the next: re-deciding every
+        # SETTLE_STEPS of them keeps the policy's host time per step small. A trial step or a
+        # revisit's step may change the decision at once.
+        decided = self.decision.get(bucket)
+        if bucket in self.step_cost and (decided is not tree or wall.steps % SETTLE_STEPS == 0):
+            self._settle(bucket)
+
+    def _settle(self, bucket: int) -> None:
+        """Refresh the host time charged to untried trees here and decision[bucket]: the best tree
+        once it and plain have run their trials (none while either is untried)."""
+        graph = self.step_cost[bucket]
+        extra = [(tree.num_nodes > 1, wall.seconds - graph[tree]) for tree, wall in self.wall[bucket].items()
+                 if wall.steps >= TRIAL_STEPS and tree in graph]  # (speculative, host seconds) per tried tree
+        for kind in (False, True, None):
+            seconds = [host for speculative, host in extra if kind in (None, speculative)]
+            if seconds:
+                self._host[bucket, kind] = sum(seconds) / len(seconds)
+        best = self._best(bucket)
+        if self._tried(bucket, best) and self._tried(bucket, self.plain[bucket]):
+            self.decision[bucket] = best
+        else:
+            self.decision.pop(bucket, None)
 
     def cost(self, bucket: int, tree: TreeSpec) -> float:
-        """Seconds per step: measured wall time once tried, else graph time plus its kind's host time."""
-        seconds, steps = self.wall.get(bucket, {}).get(tree, (0.0, 0))
-        if steps >= TRIAL_STEPS:
-            return seconds
-        return self.step_cost[bucket][tree] + self._host_seconds(bucket, tree.num_nodes > 1)
-
-    def _host_seconds(self, bucket: int, speculative: bool) -> float:
-        """Mean of (wall - graph) over the trees of this kind tried at this bucket; 0 before any."""
-        graph = self.step_cost[bucket]
-        extra = [seconds - graph[tree] for tree, (seconds, steps) in self.wall.get(bucket, {}).items()
-                 if steps >= TRIAL_STEPS and (tree.num_nodes > 1) == speculative and tree in graph]
-        return sum(extra) / len(extra) if extra else 0.0
+        """Seconds per step: measured wall time once tried, else graph time plus the host time
+        measured here for trees of its kind, else for any tree (0 before any)."""
+        if self._tried(bucket, tree):
+            return self.wall[bucket][tree].seconds
+        host = self._host.get((bucket, tree.num_nodes > 1), self._host.get((bucket, None), 0.0))
+        return self.step_cost[bucket][tree] + host
 
     def proposes(self, bucket: int, tree: TreeSpec) -> bool:
-        """Whether a step of `tree` at this batch size must run the heads for the next step.
+        """Whether a step of `tree` at this batch size must run the heads for the next step:
+        a speculative step always does, a plain one only where the next step may speculate.
 
-        A speculative step always does. A plain step does only where the next step may
-        speculate: its batch size has timed trees and a revisit is due. Otherwise the heads
-        (with a 128k vocabulary as costly as a tenth of a 1B model's step) are skipped; a row
-        that moves to a speculating batch size then proposes stale tokens for one step, which
-        costs acceptance, never correctness.
+        Otherwise the heads (with a 128k vocabulary as costly as a tenth of a 1B model's step)
+        are skipped; a row that moves to a speculating batch size then proposes stale tokens
+        for one step, which costs acceptance, never correctness.
         """
-        if tree.num_nodes > 1 or bucket not in self.step_cost:
+        return tree.num_nodes > 1 or self.may_speculate(bucket)
+
+    def may_speculate(self, bucket: int) -> bool:
+        """Whether the step after a plain one at this batch size may speculate (so its rows, new
+        ones included, need the heads' proposals). True where no measured policy runs (the CPU);
+        False where the batch size has only the plain step, borrows plain decoding, or has settled
+        on it with no revisit due."""
+        if bucket not in self.step_cost:
             return True
-        if not any(t.num_nodes > 1 for t in self.step_cost[bucket]):
-            return False
-        return self.plain_run.get(bucket, 0) + 1 >= REVISIT_STEPS
+        if len(self.step_cost[bucket]) == 1 or self._borrows_plain(bucket):
+            return False  # the plain step is its only one, or it runs plain without trials
+        decided = self.decision.get(bucket)
+        if decided is None or decided.num_nodes > 1:
+            return True  # still trying trees, or speculating (this plain step refreshes plain's timing)
+        speculative, steps = self.run.get(bucket, (False, 0))
+        return not speculative and steps + 1 >= REVISIT_STEPS
 
     def expected_length(self, tree: TreeSpec) -> float:
         tokens, steps = self.observed.get(tree, (0, 0))
@@ -119,17 +193,37 @@ class TreePolicy:
         extra, seen = self._lookup_gain
         return max(0.0, extra / seen) if seen else 0.0
 
+    def score(self, bucket: int, tree: TreeSpec) -> float:
+        """Expected tokens per second of `tree` here; plain decoding's counts MARGIN times."""
+        return self.expected_length(tree) / self.cost(bucket, tree) * (MARGIN if tree.num_nodes == 1 else 1.0)
+
     def choose(self, bucket: int) -> TreeSpec:
-        """The tree with the most expected tokens per second at this (padded) batch size,
-        after it and the plain step have each run TRIAL_STEPS timed steps there."""
-        trees = self.step_cost[bucket]
-        score = {tree: self.expected_length(tree) / self.cost(bucket, tree) for tree in trees}
-        best = max(trees, key=score.get)
-        plain = min(trees, key=lambda tree: tree.num_nodes)
-        for tree in (best, plain):
-            if self.wall.get(bucket, {}).get(tree, (0.0, 0))[1] < TRIAL_STEPS:
-                return tree
-        speculative = [tree for tree in trees if tree.num_nodes > 1]
-        if best is plain and speculative and self.plain_run.get(bucket, 0) >= REVISIT_STEPS:
-            return max(speculative, key=score.get)  # one step to refresh its acceptance and timing
+        """The tree with the best score at this (padded) batch size, after it and the plain step
+        have each run TRIAL_STEPS timed steps there; plain where the batch size borrows it."""
+        if self._borrows_plain(bucket):
+            return self.plain[bucket]
+        best = self.decision.get(bucket)
+        if best is None:  # on trial: the best tree so far, then the plain step
+            best = self._best(bucket)
+            return best if not self._tried(bucket, best) else self.plain[bucket]
+        speculative, steps = self.run.get(bucket, (False, 0))
+        if steps >= REVISIT_STEPS and speculative == (best.num_nodes > 1):
+            others = [tree for tree in self.step_cost[bucket] if (tree.num_nodes > 1) != speculative]
+            if others:  # one step to refresh the other kind's timing (and a tree's acceptance)
+                return max(others, key=lambda tree: self.score(bucket, tree))
         return best
+
+    def _best(self, bucket: int) -> TreeSpec:
+        return max(self.step_cost[bucket], key=lambda tree: self.score(bucket, tree))
+
+    def _tried(self, bucket: int, tree: TreeSpec) -> bool:
+        wall = self.wall.get(bucket, {}).get(tree)
+        return wall is not None and wall.steps >= TRIAL_STEPS
+
+    def _borrows_plain(self, bucket: int) -> bool:
+        """No speculative tree has been tried here, and the nearest smaller batch size with a
+        decision decided on plain decoding (see the module's last paragraph)."""
+        if bucket in self.speculated:
+            return False
+        below = [b for b in self.decision if b < bucket]
+        return bool(below) and self.decision[max(below)].num_nodes == 1

@@ -2,7 +2,7 @@
 
 from medusa.decoding.engine import LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
-from medusa.decoding.tree_policy import REVISIT_STEPS, TRIAL_STEPS
+from medusa.decoding.tree_policy import MARGIN, REVISIT_STEPS, TRIAL_STEPS, WALL_WINDOW
 from tiny_models import tiny_decoder
 
 
@@ -43,9 +43,9 @@ def test_decode_steps_record_what_each_tree_emitted_and_took():
     assert sum(steps for _, steps in observed.values()) == out.stats.steps
     assert sum(emitted for emitted, _ in observed.values()) == sum(out.stats.accepted_lengths)
     wall = engine.policy.wall[1]  # every decode step's wall time, at batch size 1
-    assert sum(steps for _, steps in wall.values()) == out.stats.steps
-    assert wall[trees[4]][1] >= TRIAL_STEPS and wall[trees[1]][1] >= TRIAL_STEPS  # both were tried
-    assert all(seconds > 0 for seconds, _ in wall.values())
+    assert sum(w.steps for w in wall.values()) == out.stats.steps
+    assert wall[trees[4]].steps >= TRIAL_STEPS and wall[trees[1]].steps >= TRIAL_STEPS  # both were tried
+    assert all(w.seconds > 0 for w in wall.values())
 
 
 def timed(policy, bucket, tree, seconds):
@@ -61,7 +61,7 @@ def test_measured_wall_time_keeps_speculation_only_where_it_beats_plain_on_the_c
     timed(policy, 1, trees[64], 3.0)  # ...and the host makes its step cost 3.0, not 1.3
     # the untried 4-node tree is charged its graph time plus the host time measured for trees
     assert abs(policy.cost(1, trees[4]) - (1.05 + 1.7)) < 1e-9
-    assert engine.scheduler.tree_for(1) is trees[1]  # plain looks best now, and is tried
+    assert engine.scheduler.tree_for(1) is trees[1]  # plain is tried before anything is decided
     timed(policy, 1, trees[1], 1.2)
     assert engine.scheduler.tree_for(1) is trees[1]  # 1 token / 1.2 beats 2.5 / 3.0 and 1.6 / 2.75
     for _ in range(REVISIT_STEPS - TRIAL_STEPS - 1):
@@ -69,9 +69,77 @@ def test_measured_wall_time_keeps_speculation_only_where_it_beats_plain_on_the_c
     assert engine.scheduler.tree_for(1) is trees[1]
     policy.observe_step(1, trees[1], 1.2)  # a long plain run: the best tree gets one step to re-measure
     assert engine.scheduler.tree_for(1) is trees[64]
-    timed(policy, 1, trees[64], 1.3)  # the running mean follows later steps: the host got faster
-    assert policy.wall[1][trees[64]][1] == 2 * TRIAL_STEPS and policy.cost(1, trees[64]) < 2.0
-    assert engine.scheduler.tree_for(1) is trees[64]  # 2.5 / <2.0 beats 1 / 1.2
+    for _ in range(WALL_WINDOW // 2 + 1):  # the host got faster: the median follows a few steps
+        policy.observe_step(1, trees[64], 1.3)
+    assert policy.wall[1][trees[64]].steps == TRIAL_STEPS + WALL_WINDOW // 2 + 1
+    assert policy.cost(1, trees[64]) == 1.3
+    assert engine.scheduler.tree_for(1) is trees[64]  # 2.5 / 1.3 beats 1 / 1.2
+
+
+def test_one_slow_step_does_not_hand_a_batch_size_to_a_slower_tree():
+    engine, trees = engine_with_costs({1: {1: 1.0, 4: 1.05}}, {1: 1.0, 4: 1.6})
+    policy = engine.policy
+    timed(policy, 1, trees[4], 2.0)  # 1.6 tokens per 2.0: plain decoding's 1 per 1.0 is better...
+    for seconds in (1.0, 1.0, 9.0, 1.0):  # ...but a garbage-collector pause hit one of its trial steps
+        policy.observe_step(1, trees[1], seconds)
+    assert policy.cost(1, trees[1]) == 1.0  # the median of its steps, not a mean that one pause lifts
+    assert engine.scheduler.tree_for(1) is trees[1]
+    policy.observe_step(1, trees[4], 9.0)
+    policy.observe_step(1, trees[4], 9.0)
+    assert policy.cost(1, trees[4]) == 2.0  # two slow steps in five: still the median
+
+
+def test_speculation_must_beat_plain_by_the_margin():
+    engine, trees = engine_with_costs({1: {1: 1.0, 4: 1.0}}, {1: 1.0, 4: 1.0})
+    policy = engine.policy
+    timed(policy, 1, trees[1], 1.0)
+    assert 1.05 < MARGIN < 1.15
+    for gain, chosen in ((1.05, 1), (1.15, 4)):  # tokens per second over plain decoding's
+        policy.prior[trees[4]] = 1.3 * gain  # accepted length of a step that costs 1.3 plain steps
+        timed(policy, 1, trees[4], 1.3)
+        assert engine.scheduler.tree_for(1) is trees[chosen]
+
+
+def test_a_speculating_batch_size_re_times_plain_decoding_now_and_then():
+    """An unlucky trial made plain decoding look dear, so speculation won; one plain step every
+    REVISIT_STEPS (proposing for the speculative step after it) corrects that."""
+    engine, trees = engine_with_costs({1: {1: 1.0, 4: 1.05}}, {1: 1.0, 4: 1.3})
+    policy = engine.policy
+    timed(policy, 1, trees[4], 1.3)
+    timed(policy, 1, trees[1], 2.0)  # really 1.0
+    revisits = 0
+    for step in range(10 * REVISIT_STEPS):
+        tree = engine.scheduler.tree_for(1)
+        if tree is trees[1]:
+            if policy.decision[1] is trees[1]:
+                break  # settled on plain
+            assert policy.run[1] == (True, REVISIT_STEPS) and policy.proposes(1, tree)
+            revisits += 1
+        policy.observe_step(1, tree, 1.0 if tree is trees[1] else 1.3)
+    assert step > REVISIT_STEPS and revisits == WALL_WINDOW // 2 + 1  # the median is plain's real cost now
+    assert policy.cost(1, trees[1]) == 1.0 and not policy.proposes(1, trees[1])
+
+
+def test_larger_batch_sizes_borrow_plain_decoding_from_a_smaller_one_instead_of_trying_trees():
+    sizes = (4, 8, 16, 64)
+    engine, trees = engine_with_costs({b: {1: 1.0, 4: 1.1, 8: 1.2} for b in sizes}, {1: 1.0, 4: 1.4, 8: 1.6})
+    policy = engine.policy
+    assert [engine.scheduler.tree_for(b) for b in sizes] == [trees[8]] * 4  # nothing decided: trees first
+    timed(policy, 8, trees[8], 2.0)
+    timed(policy, 8, trees[1], 1.0)
+    assert policy.decision == {8: trees[1]}
+    assert engine.scheduler.tree_for(16) is trees[1] and engine.scheduler.tree_for(64) is trees[1]
+    assert not policy.may_speculate(64) and not policy.proposes(64, trees[1])
+    for _ in range(2 * REVISIT_STEPS):  # borrowed: no trial, no revisit
+        assert engine.scheduler.tree_for(64) is trees[1]
+        policy.observe_step(64, trees[1], 1.0)
+    assert engine.scheduler.tree_for(4) is trees[8]  # a smaller batch size still tries its trees
+    timed(policy, 16, trees[4], 1.05)  # where a batch size has tried a tree itself, its own timings rule
+    assert engine.scheduler.tree_for(16) is trees[8]
+    policy.prior[trees[8]] = 4.0  # batch size 8 finds speculation pays after all...
+    policy.observe_step(8, trees[8], 2.0)
+    assert policy.decision[8] is trees[8]
+    assert engine.scheduler.tree_for(64) is trees[8]  # ...so 64 no longer borrows plain: it tries trees
 
 
 def test_a_wall_time_of_a_tree_is_kept_per_batch_size():
