@@ -120,12 +120,18 @@ class DecodeStep:
     def release_row(self, row: int) -> None:
         self._free_rows.append(row)
 
+    @property
+    def rows_in_use(self) -> int:
+        return self.max_seqs - len(self._free_rows)
+
     @torch.inference_mode()
-    def set_states(self, rows: list[int], roots: list[int], last_hidden: torch.Tensor) -> None:
-        """Sequences' pending roots and the heads' top-k at their last tokens (hidden [n, H]), in one go."""
+    def set_states(self, rows: list[int], roots: list[int], last_hidden: torch.Tensor, propose: bool = True) -> None:
+        """Sequences' pending roots and, with `propose`, the heads' top-k at their last tokens (hidden
+        [n, H]), in one go. Without it a row keeps its last holder's top-k, as after a plain step that
+        skipped the heads: stale proposals cost acceptance, never correctness."""
         at = torch.tensor(rows, device=self.device)
         self.roots[at] = torch.tensor(roots, device=self.device)
-        if self.heads is not None and self.kmax:
+        if propose and self.heads is not None and self.kmax:
             logits = self.heads(last_hidden, self.model.lm_head.weight, roots=self.roots[at])  # [K, n, V]
             self.topk[at] = logits.topk(self.kmax, dim=-1).indices.transpose(0, 1)  # [n, K, kmax]
 
@@ -246,8 +252,10 @@ class DecodeStep:
     def _part1(self, tree: DeviceTree, padded: int, sampling: bool) -> _Part1:
         n = tree.num_nodes
         rows = self.rows[:padded]
-        candidates = build_candidates(tree, self.roots[rows], self.topk[rows] if self.kmax else None,
-                                      self.lookup[:padded])
+        # the heads' top-k [Bp, K, kmax] only for a tree that has head nodes: for a plain tree the gather
+        # would be one more kernel in every captured plain step that a plain engine does not run
+        topk = self.topk[rows] if self.kmax and n > 1 else None
+        candidates = build_candidates(tree, self.roots[rows], topk, self.lookup[:padded])
         # Nodes past the context carry tokens past max_model_len, which the engine cuts (their
         # descendants too), so any position serves them: clamped, RoPE reads inside its table.
         positions = (self.base[:padded, None] + tree.depths[None]).flatten().clamp(max=self.last_position)

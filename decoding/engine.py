@@ -261,9 +261,13 @@ class LLMEngine:
                 request = ready[k][0]
                 plain = request.sampling.greedy and not self._needs_host(request)
                 roots[k] = argmax[j] if plain else self._first_token(request, raw[j:j + 1])
+        step = self.runner.decode
         for request, _ in ready:
-            request.row = self.runner.decode.acquire_row()
-        self.runner.decode.set_states([request.row for request, _ in ready], roots, last)
+            request.row = step.acquire_row()
+        # the heads' proposals only where the rows' next steps may speculate: on a 128k vocabulary they
+        # are an eager lm_head per admission, which a batch settled on plain decoding would not use
+        propose = self.policy.may_speculate(step.bucket(step.rows_in_use))
+        step.set_states([request.row for request, _ in ready], roots, last, propose)
         outputs = []
         for k in fresh:
             request = ready[k][0]
@@ -293,7 +297,9 @@ class LLMEngine:
         packed = step.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
         counts = [row[0] for row in packed]  # tokens each row emits: 1 + accepted drafts
         # drafts accepted on the lookup chain (row[-1]: the deepest accepted node)
-        from_lookup = [count - 1 if row[-1] >= tree.first_lookup_node else 0 for count, row in zip(counts, packed)]
+        first = tree.first_lookup_node
+        from_lookup = [count - 1 if row[-1] >= first else 0 for count, row in zip(counts, packed)] \
+            if tree.num_lookup else [0] * len(counts)
         self.policy.observe(tree.spec, sum(counts), len(counts))
         outputs = []
         drafted, depth = tree.num_nodes - 1, tree.spec.max_depth

@@ -190,18 +190,20 @@ def test_plain_steps_skip_the_heads_unless_the_next_step_may_speculate():
     assert engine.scheduler.tree_for(1) is trees[4]
 
 
-def test_an_engine_settled_on_plain_decoding_skips_the_heads_and_keeps_its_output():
+def test_an_engine_settled_on_plain_decoding_skips_the_heads_and_their_top_k_and_keeps_its_output():
     engine, trees = engine_with_costs({1: {1: 1.0, 4: 1.05}}, {1: 1.0, 4: 1.6})
     timed(engine.policy, 1, trees[4], 5.0)
     timed(engine.policy, 1, trees[1], 1.0)
     calls = []
-    heads = engine.runner.decode.heads
-    engine.runner.decode.heads = lambda *a, **k: calls.append(1) or heads(*a, **k)
+    step = engine.runner.decode
+    heads = step.heads
+    step.heads = lambda *a, **k: calls.append(1) or heads(*a, **k)
+    step.topk = step.topk[:0]  # [0, K, kmax]: reading or writing any row's top-k would raise
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     out = engine.generate([[5, 6, 7]], params)[0]
     plain = LLMEngine(engine.model, None).generate([[5, 6, 7]], params)[0]
     assert out.token_ids == plain.token_ids
-    assert out.stats.steps == 23 and calls == [1]  # the first token's proposals only, no decode step's
+    assert out.stats.steps == 23 and calls == []  # not even for the new row's first proposals
     assert engine.stats().steps_per_tree == {trees[1].name: 23}
 
 
