@@ -94,7 +94,11 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
             "mean_accepted_length": emitted / max(verify_steps, 1),
             "accepted_from_lookup_per_step": from_lookup / max(verify_steps, 1),
             "decode_steps_per_tree": {t: n - trees_before.get(t, 0) for t, n in trees.items()
-                                      if n > trees_before.get(t, 0)}}
+                                      if n > trees_before.get(t, 0)},
+            # batch bucket -> the tree its timings chose; buckets still on trial, borrowing plain decoding
+            # from a smaller one, or never run are absent
+            "tree_decisions": {b: t.name or f"{t.num_nodes}-node tree"
+                               for b, t in sorted(engine.policy.decision.items())}}
 
 
 def median_run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int,

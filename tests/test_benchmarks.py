@@ -86,6 +86,7 @@ def test_throughput_quick(tmp_path):
         assert row["tok_s"] > 0 and row["mean_accepted_length"] >= 1.0
         assert len(row["tok_s_runs"]) == 3 and row["tok_s"] == sorted(row["tok_s_runs"])[1]  # the median of 3
         assert sum(row["decode_steps_per_tree"].values()) > 0 and 1 <= row["mean_decode_batch"] <= c
+        assert row["tree_decisions"] == {}  # no measured tree policy on the CPU
     assert rows[("plain", 1)]["speedup"] == 1.0
     for row in rows.values():  # --profile-steps: the same level again with every phase timed
         phases = row["phases"]
