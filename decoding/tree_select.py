@@ -4,7 +4,10 @@ A tree of N nodes costs one forward of N tokens. On an H200 a 64-token forward
 costs about what one token does; on a CPU it costs many times more. So the
 choice is measured, not assumed: for each candidate size we search the best
 tree for the heads' measured accuracies, time a verification forward of that
-size here, and keep the best expected_accept_length / step_time.
+size here, and keep the best expected_accept_length / step_time. A speculative
+step also runs the heads once (K vocabulary projections: on a CPU about a fifth
+of the default model's forward), so that time is added to every tree but the
+single node.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ def choose_tree(base: DecoderModel, heads: MedusaHeads | None, context: int = 25
     accuracies = heads.config.accuracies or FALLBACK_ACCURACIES
     accuracies = [row for row in accuracies][: heads.config.num_heads]
     best, best_rate = TreeSpec.load("single"), 0.0
+    proposing = heads_seconds(base, heads)
     for size in CANDIDATE_SIZES:
         tree = TreeSpec.search(accuracies, size, name=f"auto-{size}")
-        rate = tree.expected_accept_length(accuracies) / step_seconds(base, size, context)
+        seconds = step_seconds(base, size, context) + (proposing if size > 1 else 0.0)
+        rate = tree.expected_accept_length(accuracies) / seconds
         if rate > best_rate:
             best, best_rate = tree, rate
     return best
@@ -59,6 +64,22 @@ def step_seconds(base: DecoderModel, num_tokens: int, context: int, repeats: int
         start = time.perf_counter()
         cache.begin(positions, mask)
         base.compute_logits(base(ids, positions, cache))
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+@torch.inference_mode()
+def heads_seconds(base: DecoderModel, heads: MedusaHeads, repeats: int = 3) -> float:
+    """Median wall time of the heads' proposals at one position (what a speculative step adds)."""
+    device = base.embed_tokens.weight.device
+    hidden = torch.zeros(1, base.config.hidden_size, dtype=base.embed_tokens.weight.dtype, device=device)
+    root = torch.zeros(1, dtype=torch.long, device=device)
+    times = []
+    for _ in range(repeats + 1):  # the first run warms up
+        _sync(device)
+        start = time.perf_counter()
+        heads(hidden, base.lm_head.weight, roots=root).topk(10, dim=-1)
         _sync(device)
         times.append(time.perf_counter() - start)
     return sorted(times[1:])[len(times[1:]) // 2]
