@@ -58,15 +58,11 @@ def step_seconds(base: DecoderModel, num_tokens: int, context: int, repeats: int
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.full((num_tokens,), context, device=device)
     mask = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).tril()
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        _sync(device)
-        start = time.perf_counter()
+
+    def forward() -> None:
         cache.begin(positions, mask)
         base.compute_logits(base(ids, positions, cache))
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    return _median_seconds(forward, device, repeats)
 
 
 @torch.inference_mode()
@@ -75,11 +71,16 @@ def heads_seconds(base: DecoderModel, heads: MedusaHeads, repeats: int = 3) -> f
     device = base.embed_tokens.weight.device
     hidden = torch.zeros(1, base.config.hidden_size, dtype=base.embed_tokens.weight.dtype, device=device)
     root = torch.zeros(1, dtype=torch.long, device=device)
+    return _median_seconds(lambda: heads(hidden, base.lm_head.weight, roots=root).topk(10, dim=-1), device, repeats)
+
+
+def _median_seconds(run, device: torch.device, repeats: int) -> float:
+    """Median wall time of `run()` over `repeats` calls, after one that warms up."""
     times = []
-    for _ in range(repeats + 1):  # the first run warms up
+    for _ in range(repeats + 1):
         _sync(device)
         start = time.perf_counter()
-        heads(hidden, base.lm_head.weight, roots=root).topk(10, dim=-1)
+        run()
         _sync(device)
         times.append(time.perf_counter() - start)
     return sorted(times[1:])[len(times[1:]) // 2]
