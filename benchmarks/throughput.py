@@ -5,6 +5,7 @@
     python benchmarks/throughput.py --models default --profile-steps --out out/tp   # + where each step's time goes
     python benchmarks/throughput.py --quick --out out/tp-quick                 # CPU smoke run (CI)
     python benchmarks/throughput.py --models default --prompt-lookup 4 --out out/tp-pl4   # + a lookup chain
+    python benchmarks/throughput.py --models default --heads out/m2/heads --out out/tp-m2   # other heads (Medusa-2 too)
 
 For each model and concurrency C, a closed loop keeps C requests in flight on
 one engine (greedy) until 8 x C requests are served (a new one joins as soon as
@@ -57,10 +58,10 @@ def random_model(shape: str, device, dtype):
     return model, medusa, None
 
 
-def default_model(device, dtype):
+def default_model(device, dtype, heads: str | None):
     from medusa.medusa_model import MedusaModel
 
-    m = MedusaModel.from_pretrained(device=device, dtype=dtype)
+    m = MedusaModel.from_pretrained(device=device, dtype=dtype, heads=heads)  # None: the shipped heads
     rows = [json.loads(line) for line in (DATA_DIR / "spec_bench.jsonl").read_text().splitlines()]
     prompts = [m.encode([{"role": "user", "content": r["turns"][0]}]) for r in rows]
     return m, prompts
@@ -112,7 +113,7 @@ def median_run(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
 
 def bench_model(name: str, args, device, dtype) -> list[dict]:
     if name == "default":
-        m, prompts = default_model(device, dtype)
+        m, prompts = default_model(device, dtype, args.heads)
         base, heads, tokenizer, eos = m.base, m.heads, m.tokenizer, sorted(m.eos_token_ids)
         config = m.engine_config()
         params = SamplingParams(max_tokens=args.max_tokens)
@@ -177,6 +178,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per level; the median one is reported")
     p.add_argument("--profile-steps", action="store_true",
                    help="run each level a second time with every step phase timed (benchmarks/phases.py)")
+    p.add_argument("--heads", default=None, help="heads folder for the default model (default: the shipped heads)")
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 levels, 8 tokens (CPU, CI)")
     p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
@@ -195,7 +197,7 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     (out / "results.json").write_text(json.dumps({"device": device_name, "dtype": str(dtype),
                                                    "max_tokens": args.max_tokens, "prompt_lookup": args.prompt_lookup,
-                                                   "repeats": args.repeats,
+                                                   "repeats": args.repeats, "heads": args.heads,
                                                    "rows": rows}, indent=2))
     plot(rows, out / "throughput.png")
     for r in rows:
