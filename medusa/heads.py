@@ -21,6 +21,13 @@ but no longer has to guess token t+1 on the way: the feature-plus-token input
 that EAGLE and Hydra showed to lift draft accuracy, for the cost of one small
 batched matmul.
 
+With `condition_on_chain` as well (Hydra's sequentially dependent heads), head k
+also reads the tokens of heads 0..k-1's greedy chain: in training the sequence's
+tokens t+2..t+k+1 (teacher forcing), when proposing each earlier head's top-1
+token, so the heads run one after another. Every tree node of depth k+1 still
+draws from head k's one top-k list (the tree stays a Medusa tree); the list is
+the one that fits the top-1 path, the path that is accepted most often.
+
 Checkpoints: `save_pretrained` writes `config.json` + `heads.safetensors`;
 `from_pretrained` also reads the FasterDecoding/Medusa, text-generation-inference
 and Medusa-2 full-model layouts (see `medusa.heads_formats`).
@@ -99,12 +106,16 @@ class HeadsConfig:
     tree: list[list[int]] | None = None  # a tree tuned for these heads
     accuracies: list[list[float]] | None = None  # [num_heads][K] top-k accuracies
     condition_on_root: bool = False  # heads also read the embedding of the root token (module docstring)
+    condition_on_chain: bool = False  # head k also reads the greedy chain of heads 0..k-1 (needs the root)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "num_heads", "num_layers", "lora_rank"):
             _positive_int(name, getattr(self, name))
-        if not isinstance(self.condition_on_root, bool):
-            raise ValueError(f"HeadsConfig.condition_on_root must be true or false, got {self.condition_on_root!r}")
+        for name in ("condition_on_root", "condition_on_chain"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"HeadsConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.condition_on_chain and not self.condition_on_root:
+            raise ValueError("HeadsConfig.condition_on_chain needs condition_on_root: the chain starts at the root")
         if self.lm_head not in LM_HEAD_KINDS:
             raise ValueError(f"HeadsConfig.lm_head must be one of {LM_HEAD_KINDS}, got {self.lm_head!r}")
         if self.base_model is not None:
@@ -170,6 +181,9 @@ class MedusaHeads(nn.Module):
             self.lm_heads = nn.Parameter(torch.empty(k, v, h).uniform_(-bound, bound))  # [K, V, H]
         if config.condition_on_root:
             self.root_proj = nn.Parameter(torch.zeros(k, h, h))  # [K, H_in, H_out], zero: starts as plain Medusa
+        if config.condition_on_chain:
+            # one [H, H] projection per (head k, chain token j < k), flattened: index k (k - 1) / 2 + j
+            self.chain_proj = nn.Parameter(torch.zeros(k * (k - 1) // 2, h, h))
 
     def hidden_states(self, hidden: torch.Tensor, root_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Residual stacks only: [..., H] (and root embeddings [..., H]) -> [num_heads, ..., H]."""
@@ -179,8 +193,7 @@ class MedusaHeads(nn.Module):
         x = hidden.to(self.heads[0][0].linear.weight.dtype)
         flat = x.reshape(1, -1, h).expand(k, -1, -1)  # [K, N, H]
         if self.config.condition_on_root:
-            e = root_embeds.to(x.dtype).reshape(1, -1, h).expand(k, -1, -1)
-            e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)  # unit RMS whatever the base's scale
+            e = _unit_rms(root_embeds.to(x.dtype)).reshape(1, -1, h).expand(k, -1, -1)
             flat = flat + torch.bmm(e, self.root_proj)  # [K, N, H]
         if torch.is_grad_enabled():  # training: the modules themselves, so every weight gets its gradient
             return torch.stack([head(flat[i]) for i, head in enumerate(self.heads)]).reshape(k, *x.shape)
@@ -201,28 +214,61 @@ class MedusaHeads(nn.Module):
         return self._stack
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor | None = None,
-                roots: torch.Tensor | None = None) -> torch.Tensor:
+                roots: torch.Tensor | None = None, chain: torch.Tensor | None = None) -> torch.Tensor:
         """Head logits [num_heads, ..., V].
 
         lm_head_weight [V, H] is ignored for "full" heads that do not condition on the root.
         roots [...] (hidden's leading shape) are the root token ids; heads that do not
-        condition on the root ignore them, so callers may always pass them.
+        condition on the root ignore them, so callers may always pass them. chain [..., K - 1]
+        (training only) gives chained heads the tokens t+2..t+K to read instead of their own
+        greedy chain; other heads ignore it.
         """
         cfg = self.config
-        states = self.hidden_states(hidden, self._root_embeds(hidden, lm_head_weight, roots))  # [K, ..., H]
+        root_embeds = self._root_embeds(hidden, lm_head_weight, roots)
+        if cfg.condition_on_chain:
+            return self._chained(hidden, lm_head_weight, root_embeds, chain)
+        states = self.hidden_states(hidden, root_embeds)  # [K, ..., H]
         lead = states.shape[1:-1]
-        flat = states.reshape(cfg.num_heads, -1, cfg.hidden_size)  # [K, N, H]
-        if cfg.lm_head == "full":
-            logits = torch.bmm(flat, self.lm_heads.transpose(1, 2))  # [K, N, V]
-        else:
-            weight = self._check_lm_head(lm_head_weight)
-            # All heads against the shared matrix in ONE matmul: [K*N, H] x [H, V].
-            logits = F.linear(flat.to(weight.dtype), weight)  # [K, N, V]
-            if cfg.lm_head == "lora":
-                low = torch.bmm(flat, self.lora_A.transpose(1, 2))  # [K, N, r]
-                delta = torch.bmm(low, self.lora_B.transpose(1, 2))  # [K, N, V]
-                logits = logits + delta.to(logits.dtype)
+        logits = self._project(states.reshape(cfg.num_heads, -1, cfg.hidden_size), lm_head_weight)
         return logits.reshape(cfg.num_heads, *lead, cfg.vocab_size)
+
+    def _project(self, flat: torch.Tensor, lm_head_weight: torch.Tensor | None,
+                 heads: slice = slice(None)) -> torch.Tensor:
+        """The vocabulary projection of `heads`' states [k, N, H] -> logits [k, N, V]."""
+        cfg = self.config
+        if cfg.lm_head == "full":
+            return torch.bmm(flat, self.lm_heads[heads].transpose(1, 2))  # [k, N, V]
+        weight = self._check_lm_head(lm_head_weight)
+        # All heads against the shared matrix in ONE matmul: [k*N, H] x [H, V].
+        logits = F.linear(flat.to(weight.dtype), weight)  # [k, N, V]
+        if cfg.lm_head == "lora":
+            low = torch.bmm(flat, self.lora_A[heads].transpose(1, 2))  # [k, N, r]
+            delta = torch.bmm(low, self.lora_B[heads].transpose(1, 2))  # [k, N, V]
+            logits = logits + delta.to(logits.dtype)
+        return logits
+
+    def _chained(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, root_embeds: torch.Tensor,
+                 chain: torch.Tensor | None) -> torch.Tensor:
+        """Heads one after another, head k reading the root and chain tokens 0..k-1 -> [K, ..., V]."""
+        cfg = self.config
+        k_heads, h = cfg.num_heads, cfg.hidden_size
+        lead = hidden.shape[:-1]
+        if chain is not None and tuple(chain.shape) != (*lead, k_heads - 1):
+            raise ValueError(f"chain has shape {tuple(chain.shape)}, expected {(*lead, k_heads - 1)}")
+        x = hidden.to(self.heads[0][0].linear.weight.dtype).reshape(-1, h)  # [N, H]
+        root = _unit_rms(root_embeds.to(x.dtype).reshape(-1, h))  # [N, H]
+        read: list[torch.Tensor] = []  # unit-RMS embeddings [N, H] of the chain tokens so far
+        out = []
+        for k, head in enumerate(self.heads):
+            inputs = x + root @ self.root_proj[k]
+            for j, e in enumerate(read):
+                inputs = inputs + e @ self.chain_proj[k * (k - 1) // 2 + j]
+            logits = self._project(head(inputs)[None], lm_head_weight, slice(k, k + 1))[0]  # [N, V]
+            out.append(logits)
+            if k + 1 < k_heads:
+                token = chain.reshape(-1, k_heads - 1)[:, k] if chain is not None else logits.argmax(-1)
+                read.append(_unit_rms(F.embedding(token, lm_head_weight).to(x.dtype)))
+        return torch.stack(out).reshape(k_heads, *lead, cfg.vocab_size)
 
     def _root_embeds(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor | None,
                      roots: torch.Tensor | None) -> torch.Tensor | None:
@@ -296,6 +342,11 @@ class MedusaHeads(nn.Module):
         _agree("vocab_size", vocab_size, config.vocab_size, raw.source)
         model = _build(cls, config, raw.state_dict, raw.source, dtype)
         return model.to(device=device) if device is not None else model
+
+
+def _unit_rms(e: torch.Tensor) -> torch.Tensor:
+    """Token embeddings [..., H] scaled to unit RMS, whatever the base's embedding scale."""
+    return e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 def _agree(name: str, given: int | None, found: int, source: str) -> int:

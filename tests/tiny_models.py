@@ -39,7 +39,8 @@ def save_tiny_hf_model(kind: str, folder, seed: int = 0):
 
 
 def tiny_decoder(vocab: int = 24, num_layers: int = 2, logit_scale: float = 1.0, max_positions: int = 512,
-                 num_heads: int = 0, heads_std: float = 0.3, seed: int = 0, condition_on_root: bool = False):
+                 num_heads: int = 0, heads_std: float = 0.3, seed: int = 0, condition_on_root: bool = False,
+                 condition_on_chain: bool = False):
     """A random 32-wide Llama of our own code, plus random Medusa heads when num_heads > 0.
 
     logit_scale sharpens the next-token distribution (random weights give
@@ -55,7 +56,8 @@ def tiny_decoder(vocab: int = 24, num_layers: int = 2, logit_scale: float = 1.0,
                          max_position_embeddings=max_positions)
     model = DecoderModel(config).eval()
     heads = MedusaHeads(HeadsConfig(hidden_size=32, vocab_size=vocab, num_heads=num_heads,
-                                    condition_on_root=condition_on_root)).eval() if num_heads else None
+                                    condition_on_root=condition_on_root or condition_on_chain,
+                                    condition_on_chain=condition_on_chain)).eval() if num_heads else None
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
         for p in heads.parameters() if heads is not None else ():

@@ -31,6 +31,8 @@ class HeadsSection:
     # heads also read the root token's embedding (medusa/heads.py): a fresh run's default; set false
     # for plain Medusa heads, which every other Medusa implementation can load
     condition_on_root: bool = True
+    # head k also reads the tokens of heads 0..k-1's greedy chain (Hydra; medusa/heads.py); needs the root
+    condition_on_chain: bool = False
     # trained heads to start from (a heads folder): e.g. Medusa-2 from Medusa-1 heads, the paper's
     # two-stage recipe, so the heads' gradients into the LoRA carry signal from the first step
     init_from: str | None = None

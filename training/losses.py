@@ -42,6 +42,14 @@ def next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.roll(input_ids, -1, dims=-1)
 
 
+def chain_tokens(input_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The chain chained heads read in training: tokens t+2..t+K, [..., T] -> [..., T, K - 1].
+
+    Positions near the end wrap around; no head target that reads a wrapped token is valid.
+    """
+    return torch.stack([torch.roll(input_ids, -(2 + j), dims=-1) for j in range(num_heads - 1)], dim=-1)
+
+
 def medusa_loss(head_logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 decay: float = 0.8, base_logits: torch.Tensor | None = None, soft_weight: float = 0.0) -> HeadLoss:
     """head_logits [K, B, T, V]; loss only where the target is a response token.

@@ -26,7 +26,7 @@ from medusa.heads import HeadsConfig, MedusaHeads
 from medusa.model import DecoderModel
 from medusa.training.config import TrainConfig
 from medusa.training.data import Sequences, batch_plan, batches
-from medusa.training.losses import kl_distillation, medusa_loss, next_tokens
+from medusa.training.losses import chain_tokens, kl_distillation, medusa_loss, next_tokens
 
 
 class TrainingDivergedError(RuntimeError):
@@ -67,7 +67,7 @@ class Trainer:
             hidden_size=base.config.hidden_size, vocab_size=base.config.vocab_size,
             num_heads=config.heads.num_heads, num_layers=config.heads.num_layers,
             lm_head=config.heads.lm_head, lora_rank=config.heads.lora_rank, base_model=base_name,
-            condition_on_root=config.heads.condition_on_root))
+            condition_on_root=config.heads.condition_on_root, condition_on_chain=config.heads.condition_on_chain))
         if config.heads.init_from:
             self._init_heads_from(config.heads.init_from, base)
         elif config.heads.lm_head == "full":
@@ -83,19 +83,19 @@ class Trainer:
         self.output = Path(config.output_dir)
 
     def _init_heads_from(self, path: str, base: DecoderModel) -> None:
-        """Copy trained heads' weights in; their shape settings must be this run's. Plain heads may
-        start root-conditioned ones (the root projection then starts at zero), not the reverse."""
+        """Copy trained heads' weights in; their shape settings must be this run's. Heads may start
+        heads that read more (the root, the chain: those projections then start at zero), not fewer."""
         trained = MedusaHeads.from_pretrained(path, lm_head_weight=base.lm_head.weight)
         mine, theirs = self.heads.config, trained.config
         for key in ("num_heads", "num_layers", "lm_head", "lora_rank"):
             if getattr(mine, key) != getattr(theirs, key) and (key != "lora_rank" or mine.lm_head == "lora"):
                 raise ValueError(f"heads.init_from={path}: its {key} is {getattr(theirs, key)!r}, but this run's "
                                  f"heads.{key} is {getattr(mine, key)!r}; set heads.{key} to match")
-        if theirs.condition_on_root and not mine.condition_on_root:
-            raise ValueError(f"heads.init_from={path}: those heads condition on the root token; set "
-                             "heads.condition_on_root=true")
+        for key in ("condition_on_root", "condition_on_chain"):
+            if getattr(theirs, key) and not getattr(mine, key):
+                raise ValueError(f"heads.init_from={path}: those heads have {key}; set heads.{key}=true")
         missing, _ = self.heads.load_state_dict(trained.float().state_dict(), strict=False)
-        assert set(missing) <= {"root_proj"}, missing
+        assert set(missing) <= {"root_proj", "chain_proj"}, missing
 
     def _param_groups(self) -> list[dict]:
         groups = [{"params": list(self.heads.parameters()), "lr": self.config.train.lr}]
@@ -204,8 +204,10 @@ class Trainer:
             if soft:
                 with torch.no_grad():
                     teacher_logits = lm_head(hidden)  # [B, T, V]
-        heads = medusa_loss(self.heads(hidden, lm_head.weight, roots=next_tokens(ids)), ids, mask, self.config.train.decay,
-                            base_logits=teacher_logits, soft_weight=soft)
+        chain = chain_tokens(ids, self.config.heads.num_heads) if self.config.heads.condition_on_chain else None
+        head_logits = self.heads(hidden, lm_head.weight, roots=next_tokens(ids), chain=chain)  # [K, B, T, V]
+        heads = medusa_loss(head_logits, ids, mask, self.config.train.decay, base_logits=teacher_logits,
+                            soft_weight=soft)
         metrics = {"heads_loss": heads.loss.item(), **{f"top1_{k}": v for k, v in enumerate(heads.per_head_top1.tolist())}}
         if not m2.enabled:
             return heads.loss, metrics

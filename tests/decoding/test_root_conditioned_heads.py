@@ -1,4 +1,5 @@
-"""Heads that read the root token, in both decoders: outputs stay plain greedy, and the engine feeds the
+"""Heads that read the root token (and the chained ones, which also read the earlier heads' top-1
+tokens), in both decoders: outputs stay plain greedy, and the engine feeds the
 heads the same root the batch-1 decoder does (after prefill and after every step), so a request
 accepts exactly as many drafts in a batch as alone."""
 
@@ -18,10 +19,11 @@ VOCAB = 24
 TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(scope="module", params=["root", "chain"])
+def tiny(request):
     with single_thread():
-        yield tiny_decoder(VOCAB, logit_scale=3, num_heads=3, heads_std=0.5, condition_on_root=True)
+        yield tiny_decoder(VOCAB, logit_scale=3, num_heads=3, heads_std=0.5, condition_on_root=True,
+                           condition_on_chain=request.param == "chain")
 
 
 def alone(model, heads, prompt, tree):

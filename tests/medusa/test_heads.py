@@ -227,6 +227,42 @@ def test_root_conditioned_heads_input_errors_and_roundtrip(tmp_path):
     assert torch.equal(loaded(x, lm, roots=roots), model(x, lm, roots=roots))
 
 
+def test_chained_heads_start_as_rooted_heads_and_read_their_own_greedy_chain():
+    rooted = _randomise(MedusaHeads(_cfg(num_heads=3, num_layers=2, condition_on_root=True)))
+    chained = MedusaHeads(_cfg(num_heads=3, num_layers=2, condition_on_root=True, condition_on_chain=True))
+    missing, _ = chained.load_state_dict(rooted.state_dict(), strict=False)
+    assert missing == ["chain_proj"] and chained.chain_proj.shape == (3, H, H)  # pairs (1,0), (2,0), (2,1)
+    x, lm, roots = torch.randn(2, 5, H), torch.randn(V, H), torch.randint(0, V, (2, 5))
+    torch.testing.assert_close(chained(x, lm, roots=roots), rooted(x, lm, roots=roots), rtol=0, atol=1e-6)
+    _randomise(chained, seed=4)
+    with torch.no_grad():
+        greedy = chained(x, lm, roots=roots)  # each head reads the earlier heads' top-1 tokens
+        own_chain = greedy[:-1].argmax(-1).permute(1, 2, 0)  # [2, 5, K - 1]
+        torch.testing.assert_close(chained(x, lm, roots=roots, chain=own_chain), greedy)
+        other = chained(x, lm, roots=roots, chain=(own_chain + 1) % V)
+    assert torch.equal(other[0], greedy[0]) and not torch.allclose(other[1:], greedy[1:])
+    # the training path (with grad) computes the same, and trains every chain projection
+    teacher = torch.randint(0, V, (2, 5, 2))
+    with torch.no_grad():
+        expected = chained(x, lm, roots=roots, chain=teacher)
+    out = chained(x, lm, roots=roots, chain=teacher)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    assert all(torch.count_nonzero(chained.chain_proj.grad[i]) > 0 for i in range(3))
+
+
+def test_chained_heads_errors_and_roundtrip(tmp_path):
+    with pytest.raises(ValueError, match="needs condition_on_root"):
+        _cfg(condition_on_chain=True)
+    model = _randomise(MedusaHeads(_cfg(num_heads=3, condition_on_root=True, condition_on_chain=True)))
+    x, lm, roots = torch.randn(4, H), torch.randn(V, H), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="chain has shape"):
+        model(x, lm, roots=roots, chain=torch.zeros(4, 3, dtype=torch.long))
+    model.save_pretrained(tmp_path / "h")
+    loaded = MedusaHeads.from_pretrained(tmp_path / "h")
+    assert loaded.config.condition_on_chain and torch.equal(loaded(x, lm, roots=roots), model(x, lm, roots=roots))
+
+
 # ---------------------------------------------------------------- our format
 
 

@@ -153,3 +153,25 @@ def test_plain_heads_can_start_root_conditioned_ones_not_the_reverse(tmp_path):
     rooted.unwrapped_heads().save_pretrained(tmp_path / "r")
     with pytest.raises(ValueError, match="condition_on_root=true"):
         make_trainer(tmp_path / "c", f"heads.init_from={tmp_path / 'r'}", "heads.condition_on_root=false")
+
+
+def triple_data(n=128):
+    """Triples (a, b, b + 5) of random a, b: at a triple's end, the token three ahead (b' + 5) is
+    readable only from the token two ahead (b'), which the second head reads only from the chain."""
+    g = torch.Generator().manual_seed(2)
+    seqs = []
+    for _ in range(n):
+        pairs = torch.randint(48, (8, 2), generator=g).tolist()
+        seqs.append([1, 2, 3, 4] + [t for a, b in pairs for t in (a, b, (b + 5) % 48)])
+    return Sequences.from_lists(seqs, [4] * n)
+
+
+@pytest.mark.parametrize("chained", [True, False])
+def test_chained_heads_learn_from_the_chain(tmp_path, chained):
+    config = load_config(None, [f"output_dir={tmp_path}", "train.max_tokens_per_batch=512", "train.log_every=1",
+                                "train.lr=2e-2", "heads.num_heads=2", "train.epochs=30", "train.save_every=0",
+                                f"heads.condition_on_chain={str(chained).lower()}"])
+    history = Trainer(config, tiny_base(), triple_data()).train().history
+    top1 = sum(m["top1_1"] for m in history[-10:]) / 10
+    # head 1 can be right at every triple's end (a third of the positions) only when it reads the chain
+    assert top1 > 0.28 if chained else top1 < 0.15
