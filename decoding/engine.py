@@ -194,15 +194,17 @@ class LLMEngine:
                 if tree.num_nodes > 1 and bucket * tree.num_nodes > self.config.max_graph_tokens:
                     continue
                 if self.policy.add_prior(tree, accuracies):
-                    # a plain step that stays plain skips the heads: that is its cost; the variant
-                    # with heads (the step before a revisit, or plain decoding's re-timing step
-                    # amid speculation) is captured now, not mid-run
+                    # a plain step that stays plain skips the heads: that is its cost. The variant
+                    # with heads (a trial's, the step before a revisit, or plain decoding's re-timing
+                    # step amid speculation) is captured and timed now, not mid-run: the policy
+                    # charges those steps without the heads' part
                     plain = tree.num_nodes == 1
                     seconds = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks,
                                              propose=not plain)
                     self.policy.add_cost(bucket, tree, seconds)
                     if plain:
-                        step.capture(self._device_tree(tree), bucket)
+                        with_heads = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks)
+                        self.policy.add_heads_cost(bucket, with_heads - seconds)
         self.scheduler.policy = lambda n: self.policy.choose(step.bucket(n))
         return {b: _tree_label(self.policy.choose(b)) for b in buckets}
 
@@ -313,7 +315,7 @@ class LLMEngine:
         _record(self.totals, tree.spec, counts, sum(from_lookup))  # once for the batch
         self.steps_per_tree[_tree_label(tree.spec)] += 1
         if padded in self.policy.step_cost:  # the measured policy is on: it learns what steps really cost
-            self.policy.observe_step(padded, tree.spec, time.perf_counter() - start)
+            self.policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
         return outputs
 
     def _verify_on_host(self, requests: list[_Request], tree: DeviceTree, part1) -> None:

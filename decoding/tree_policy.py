@@ -32,6 +32,13 @@ long run of one kind gives the best of the other kind one step (every
 REVISIT_STEPS steps), so neither a change of traffic nor one unlucky timing can
 switch speculation off, or plain decoding out, for good.
 
+A plain step that runs the heads (a trial's, or a revisit's, so the speculative
+step after it has proposals) costs more than plain decoding does once settled,
+when the heads are skipped: for a 1B shape's 128k vocabulary, about a tenth of
+the step. Its wall time is charged without the heads (their graph-timed cost,
+`add_heads_cost`), or a trial would make plain decoding look dearer than it is
+and hand the batch size to a tree that loses on the clock.
+
 A batch size whose trees are untried borrows the decision of the nearest
 smaller batch size that has made one, when that decision is plain decoding: a
 tree costs more against a plain step the more rows it has while it accepts the
@@ -95,6 +102,7 @@ class TreePolicy:
         self.decision: dict[int, TreeSpec] = {}  # bucket -> its best tree, once it and plain are tried
         self.speculated: set[int] = set()  # buckets where some speculative tree has run its trial
         self._host: dict[tuple[int, bool | None], float] = {}  # (bucket, speculative or None: any) -> seconds
+        self.heads_cost: dict[int, float] = {}  # bucket -> seconds the heads add to a plain step
 
     def add_prior(self, tree: TreeSpec, accuracies) -> bool:
         """Predict the tree's accepted length; False if the accuracies do not cover its heads or ranks."""
@@ -109,6 +117,10 @@ class TreePolicy:
         if bucket not in self.plain or tree.num_nodes < self.plain[bucket].num_nodes:
             self.plain[bucket] = tree
 
+    def add_heads_cost(self, bucket: int, seconds: float) -> None:
+        """Graph-timed seconds that running the heads adds to this bucket's plain step."""
+        self.heads_cost[bucket] = max(0.0, seconds)
+
     def observe(self, tree: TreeSpec, emitted: int, sequence_steps: int) -> None:
         tokens, steps = self.observed.get(tree, (0, 0))
         self.observed[tree] = (tokens + emitted, steps + sequence_steps)
@@ -116,11 +128,14 @@ class TreePolicy:
             extra, seen = self._lookup_gain
             self._lookup_gain = (extra + emitted - self.prior[tree] * sequence_steps, seen + sequence_steps)
 
-    def observe_step(self, bucket: int, tree: TreeSpec, seconds: float) -> None:
-        """A decode step's wall time, host work included, at this (padded) batch size."""
+    def observe_step(self, bucket: int, tree: TreeSpec, seconds: float, proposed: bool = False) -> None:
+        """A decode step's wall time, host work included, at this (padded) batch size. `proposed`:
+        the step ran the heads; a plain one is then charged without them (the module's docstring)."""
+        kind = tree.num_nodes > 1
+        if proposed and not kind:
+            seconds = max(seconds - self.heads_cost.get(bucket, 0.0), self.step_cost.get(bucket, {}).get(tree, 0.0))
         wall = self.wall.setdefault(bucket, {}).setdefault(tree, WallTime())
         wall.add(seconds)
-        kind = tree.num_nodes > 1
         last, steps = self.run.get(bucket, (kind, 0))
         self.run[bucket] = (kind, steps + 1 if last == kind else 1)
         if kind and wall.steps >= TRIAL_STEPS:

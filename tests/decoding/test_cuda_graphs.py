@@ -27,6 +27,8 @@ def test_graph_engine_matches_batch1_plain_greedy(default_model_dir):
     engine = model.engine()
     assert engine.runner.decode.use_graphs
     engine.warmup()
+    heads = engine.policy.heads_cost  # timed per bucket: what the heads add to a plain step
+    assert set(heads) == set(engine.policy.step_cost) and max(heads.values()) > 0
     done = run_staggered(engine, prompts, params)  # the batch bucket changes from step to step
     for i, ref in enumerate(references):
         assert done[i].token_ids == ref, i

@@ -223,3 +223,22 @@ def test_what_one_lookup_tree_accepts_beyond_its_prior_lifts_the_other_lookup_tr
     policy.observe(heads_only, 1000, 1000)
     policy.observe(small, 0, 1000)  # the chain now looks worthless: the bonus never goes negative
     assert policy.lookup_bonus() == 0.0
+
+
+def test_plain_trial_steps_that_run_the_heads_are_charged_without_them():
+    """A plain trial step runs the heads for the speculative step after it; settled plain decoding
+    does not. Charged as measured, plain would look 1.3x dearer and a losing tree would win."""
+    engine, trees = engine_with_costs({1: {1: 1.0, 4: 1.05}}, {1: 1.0, 4: 1.3})
+    policy = engine.policy
+    policy.add_heads_cost(1, 0.3)
+    timed(policy, 1, trees[4], 1.4)  # 1.3 tokens per 1.4 s: a loss against plain's 1 per 1.0 s
+    for _ in range(TRIAL_STEPS):
+        policy.observe_step(1, trees[1], 1.3, proposed=True)  # 1.0 s of plain step + 0.3 s of heads
+    assert policy.cost(1, trees[1]) == 1.0
+    assert policy.decision[1] is trees[1] and not policy.proposes(1, trees[1])
+    policy.observe_step(1, trees[1], 0.9, proposed=True)  # never charged below its graph time
+    policy.observe_step(1, trees[1], 0.9, proposed=True)
+    policy.observe_step(1, trees[1], 0.9, proposed=True)
+    assert policy.cost(1, trees[1]) == 1.0
+    policy.observe_step(1, trees[1], 1.3)  # a step without the heads is charged as measured
+    assert list(policy.wall[1][trees[1]].recent)[-1] == 1.3
