@@ -11,7 +11,7 @@ were identical) and, when matplotlib is installed, speedup.png. All systems run
 in the same process on the same weights, so the ratios are side by side.
 
 Medusa-2 heads carry a LoRA adapter that is merged into the base. For them the
-script also decodes every turn with the original base and reports the adapter's
+script also decodes every turn with the original base (batched) and reports the adapter's
 drift: the share of the original's greedy tokens that the adapted base, fed the
 same text, still predicts (teacher-forced argmax agreement), and how many turns
 came out identical.
@@ -81,9 +81,27 @@ def agreement(model: MedusaModel, prompt_ids: list[int], ids: list[int]) -> int:
     return int((predicted == seq[len(prompt_ids):]).sum())
 
 
-def drift(model: MedusaModel, reference: MedusaModel, question: dict, max_new_tokens: int, ours: list[dict]) -> dict:
-    """The adapted base (its plain turns `ours`) against the original: agreeing tokens, identical turns."""
-    ref_turns = run_ours(reference, question, max_new_tokens, False)
+def reference_turns(reference: MedusaModel, questions: list[dict], max_new_tokens: int) -> list[list[dict]]:
+    """The original base's greedy turns of every question: turn k of all questions in one engine batch
+    (later turns see the reference's own earlier answers). Batch-1 decoding of every turn made a full
+    Medusa-2 run overrun its time on the H200; the engine's batched greedy output is batch-1's."""
+    engine = reference.engine(False)
+    histories, turns = [[] for _ in questions], [[] for _ in questions]
+    for k in range(max((len(q["turns"]) for q in questions), default=0)):
+        live = [i for i, q in enumerate(questions) if k < len(q["turns"])]
+        prompts = []
+        for i in live:
+            histories[i].append({"role": "user", "content": questions[i]["turns"][k]})
+            prompts.append(reference.encode(list(histories[i])))
+        outs = engine.generate(prompts, SamplingParams(max_tokens=max_new_tokens))
+        for i, ids, out in zip(live, prompts, outs):
+            histories[i].append({"role": "assistant", "content": out.text})
+            turns[i].append({"tokens": len(out.token_ids), "ids": list(out.token_ids), "prompt": ids})
+    return turns
+
+
+def drift(model: MedusaModel, ref_turns: list[dict], ours: list[dict]) -> dict:
+    """The adapted base (its plain turns `ours`) against the original's turns: agreeing tokens, identical turns."""
     return {"tokens": sum(t["tokens"] for t in ref_turns),
             "agreeing": sum(agreement(model, t["prompt"], t["ids"]) for t in ref_turns),
             "identical_turns": sum(a["ids"] == b["ids"] for a, b in zip(ref_turns, ours)),
@@ -171,15 +189,16 @@ def main() -> None:
     questions = load_questions(Path(args.data), args.per_category)[: args.limit]
     model.engine(False).warmup()  # captures the CUDA graphs before anything is timed
     policy = model.engine(True).warmup()  # and measures which tree each batch size gets
+    references = reference_turns(reference, questions, args.max_new_tokens) if reference is not None else None
     records, hf_taken = [], defaultdict(int)
-    for q in tqdm(questions, desc="spec-bench", dynamic_ncols=True):
+    for index, q in enumerate(tqdm(questions, desc="spec-bench", dynamic_ncols=True)):
         rec = {"category": q["category"], "plain": run_ours(model, q, args.max_new_tokens, False),
                "medusa": run_ours(model, q, args.max_new_tokens, True)}
         if hf is not None and hf_taken[q["category"]] < args.hf_per_category:
             hf_taken[q["category"]] += 1
             rec["hf"] = run_hf(hf, model, q, args.max_new_tokens)
-        if reference is not None:
-            rec["drift"] = drift(model, reference, q, args.max_new_tokens, rec["plain"])
+        if references is not None:
+            rec["drift"] = drift(model, references[index], rec["plain"])
         records.append(rec)
     by_cat = defaultdict(list)
     for r in records:
