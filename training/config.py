@@ -33,8 +33,9 @@ class HeadsSection:
     condition_on_root: bool = True
     # head k also reads the tokens of heads 0..k-1's greedy chain (Hydra; medusa/heads.py); needs the root
     condition_on_chain: bool = False
-    # trained heads to start from (a heads folder): e.g. Medusa-2 from Medusa-1 heads, the paper's
-    # two-stage recipe, so the heads' gradients into the LoRA carry signal from the first step
+    # trained heads to start from (a heads folder, or `shipped`: the default model's shipped heads): e.g.
+    # Medusa-2 from Medusa-1 heads, the paper's two-stage recipe, so the heads' gradients into the LoRA
+    # carry signal from the first step
     init_from: str | None = None
 
 

@@ -84,7 +84,15 @@ class Trainer:
 
     def _init_heads_from(self, path: str, base: DecoderModel) -> None:
         """Copy trained heads' weights in; their shape settings must be this run's. Heads may start
-        heads that read more (the root, the chain: those projections then start at zero), not fewer."""
+        heads that read more (the root, the chain: those projections then start at zero), not fewer.
+        `shipped`: the heads shipped for the default model (the Medusa-2 recipe's start)."""
+        if path == "shipped":
+            from medusa.default_model import default_heads_path
+
+            if self.config.model is not None or default_heads_path() is None:
+                raise ValueError("heads.init_from=shipped: the shipped heads are for the default model, and need "
+                                 f"model: null and an install that has them (model is {self.config.model!r})")
+            path = str(default_heads_path())
         trained = MedusaHeads.from_pretrained(path, lm_head_weight=base.lm_head.weight)
         mine, theirs = self.heads.config, trained.config
         for key in ("num_heads", "num_layers", "lm_head", "lora_rank"):

@@ -116,6 +116,11 @@ def test_init_from_heads_of_another_shape_is_refused(tmp_path):
         make_trainer(tmp_path / "b", f"heads.init_from={tmp_path / 'heads'}", "heads.num_layers=2")
 
 
+def test_init_from_shipped_is_refused_for_another_model(tmp_path):
+    with pytest.raises(ValueError, match="init_from=shipped: the shipped heads are for the default model"):
+        make_trainer(tmp_path, "heads.init_from=shipped", "model=some/other-model")
+
+
 def test_soft_targets_train_the_heads_too(tmp_path):
     """Half the loss against the (near-uniform) random base's distribution: the heads still learn the rule."""
     state = make_trainer(tmp_path, "train.epochs=20", "train.save_every=0", "train.soft_targets=0.5").train()
