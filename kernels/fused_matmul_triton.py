@@ -9,9 +9,16 @@ nn.Linear stores it (rows may be strided). Program (i, j) computes the output
 tile y[i*BLOCK_M : +BLOCK_M, j*BLOCK_N : +BLOCK_N], looping over K in BLOCK_K
 chunks with an fp32 accumulator; each chunk's A operand [BLOCK_M, BLOCK_K] is
 built from x in registers (normed, or SiLU(gate) * up) and never written out.
-Nothing is split along K. M is small on the decode path (batch x tree tokens,
-mostly <= 64), so the work is reading W once: the column tiles are what spread
-it over the SMs.
+M is small on the decode path (batch x tree tokens, mostly <= 64), so the work
+is reading W once, spread over the SMs by column tiles and, where those are too
+few, by SPLIT_K slices of K. Without the split, the 135M model's down_proj
+(N = 576, K = 1536) ran as 18 programs looping over all of K: 22.6 us against
+6.5 us for SiLU + cuBLAS (H200, session 7). With it, each (row tile, column
+tile, slice) program writes its fp32 partial tile to a workspace and bumps the
+tile's arrival counter; the program that arrives last sums the SPLIT_K partials
+in slice order (the same sum whichever program is last), stores the output and
+zeroes the counter for the next call. One launch still, and no memset: the
+counters are left as they were found, so the kernels also replay in a CUDA graph.
 
 RMSNorm needs each row's statistics over all of K before its first chunk: every
 program first sums the squares of its BLOCK_M rows over K, then runs the GEMM
@@ -52,7 +59,7 @@ def _inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_x, stride_r, K, e
         ok = row_ok[:, None] & (cols < K)[None, :]
         total = _load_total(x_ptr, res_ptr, rows, cols, ok, stride_x, stride_r, HAS_RESIDUAL)
         if HAS_RESIDUAL:
-            if write_sum:  # one column tile writes it; the others only need the statistics
+            if write_sum:  # one program writes it; the others only need the statistics
                 tl.store(res_out_ptr + rows[:, None] * K + cols[None, :], total, mask=ok)
         t = total.to(tl.float32)
         squares += tl.sum(t * t, 1)
@@ -69,19 +76,51 @@ def _store_tile(y_ptr, bias_ptr, acc, rows, row_ok, cols, col_ok, N, HAS_BIAS: t
 
 
 @triton.jit
-def _rms_norm_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, y_ptr, res_out_ptr, M, N, K,
-                            stride_x, stride_r, stride_w, eps, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-    # row tiles on axis 0: the programs sharing one W column tile run together and share it in L2
+def _finish_tile(y_ptr, bias_ptr, ws_ptr, count_ptr, acc, rows, row_ok, cols, col_ok, N, tile, split,
+                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store this program's tile; with SPLIT_K > 1, its K slice's partial, the last slice to arrive
+    storing the sum of all of them (see the module docstring)."""
+    if SPLIT_K == 1:
+        _store_tile(y_ptr, bias_ptr, acc, rows, row_ok, cols, col_ok, N, HAS_BIAS)
+    else:
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [M, N] in a tile
+        tile_ws = ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+        tl.store(tile_ws + split * (BLOCK_M * BLOCK_N) + offs, acc)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):  # in slice order: the same rounding whichever program is last
+                total += tl.load(tile_ws + s * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+            _store_tile(y_ptr, bias_ptr, total, rows, row_ok, cols, col_ok, N, HAS_BIAS)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+@triton.jit
+def _k_range(split, K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[begin, end) of K that slice `split` reads, in whole BLOCK_K chunks (the last slices may be empty)."""
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    begin = split * per_split
+    return begin, tl.minimum(begin + per_split, K)
+
+
+@triton.jit
+def _rms_norm_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, y_ptr, res_out_ptr, ws_ptr, count_ptr,
+                            M, N, K, stride_x, stride_r, stride_w, eps, HAS_RESIDUAL: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # row tiles on axis 0: the programs sharing one W column tile run together and share it in L2;
+    # axis 1 is (column tile, K slice), the slices of a tile adjacent
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_tile = tl.program_id(1)
+    col_tile, split = tl.program_id(1) // SPLIT_K, tl.program_id(1) % SPLIT_K
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    inv_rms = _inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_x, stride_r, K, eps, col_tile == 0,
-                       HAS_RESIDUAL, BLOCK_M, BLOCK_K)  # [BLOCK_M]
+    # every slice needs the rows' statistics over all of K; one program writes x + residual
+    inv_rms = _inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_x, stride_r, K, eps,
+                       tl.program_id(1) == 0, HAS_RESIDUAL, BLOCK_M, BLOCK_K)  # [BLOCK_M]
+    k_begin, k_end = _k_range(split, K, SPLIT_K, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         total = _load_total(x_ptr, res_ptr, rows, ks, row_ok[:, None] & k_ok[None, :], stride_x, stride_r,
@@ -93,18 +132,22 @@ def _rms_norm_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, y_ptr, 
         w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # W^T tile [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    _store_tile(y_ptr, bias_ptr, acc, rows, row_ok, cols, col_ok, N, HAS_BIAS)
+    tile = tl.program_id(0) * tl.cdiv(N, BLOCK_N) + col_tile
+    _finish_tile(y_ptr, bias_ptr, ws_ptr, count_ptr, acc, rows, row_ok, cols, col_ok, N, tile, split,
+                 HAS_BIAS, SPLIT_K, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _silu_mul_matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, I, stride_x, stride_w, HAS_BIAS: tl.constexpr,
-                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+def _silu_mul_matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, count_ptr, M, N, I, stride_x, stride_w,
+                            HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_tile, split = tl.program_id(1) // SPLIT_K, tl.program_id(1) % SPLIT_K
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
+    k_begin, k_end = _k_range(split, I, SPLIT_K, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < I
         ok = row_ok[:, None] & k_ok[None, :]
@@ -116,7 +159,9 @@ def _silu_mul_matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, I, stride_x, st
         w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # W^T tile [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    _store_tile(y_ptr, bias_ptr, acc, rows, row_ok, cols, col_ok, N, HAS_BIAS)
+    tile = tl.program_id(0) * tl.cdiv(N, BLOCK_N) + col_tile
+    _finish_tile(y_ptr, bias_ptr, ws_ptr, count_ptr, acc, rows, row_ok, cols, col_ok, N, tile, split,
+                 HAS_BIAS, SPLIT_K, BLOCK_M, BLOCK_N)
 
 
 def rms_norm_matmul_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
@@ -125,7 +170,8 @@ def rms_norm_matmul_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     """x [..., K] -> (linear(rms_norm(x [+ residual])) [..., N], x + residual [..., K] or None).
 
     norm_weight [K]; weight [N, K]; bias [N]; all of x's dtype. launch: BLOCK_M / BLOCK_N /
-    BLOCK_K / num_warps / num_stages in place of `_launch_config`'s (benchmarks/kernels.py).
+    BLOCK_K / SPLIT_K (default 1) / num_warps / num_stages in place of `_launch_config`'s
+    (benchmarks/kernels.py).
     """
     k = x.shape[-1]
     _check_linear("rms_norm_matmul", x, k, weight, bias)
@@ -142,13 +188,13 @@ def rms_norm_matmul_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     if m:
-        config = launch or _launch_config(m, n, k, x)
-        block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        config = _with_split(launch or _launch_config(m, n, k, x))
+        grid, ws, counts = _grid_and_scratch(m, n, config, x.device)
         _rms_norm_matmul_kernel[grid](
             rows, rows_r, norm_weight, weight, bias if bias is not None else weight, y,
-            total if total is not None else y, m, n, k, rows.stride(0), rows_r.stride(0), weight.stride(0), eps,
-            HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, PRECISION=_precision(x), **config)
+            total if total is not None else y, ws, counts, m, n, k, rows.stride(0), rows_r.stride(0),
+            weight.stride(0), eps, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+            PRECISION=_precision(x), **config)
     return y, total
 
 
@@ -163,12 +209,54 @@ def silu_mul_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     m, n = rows.shape[0], weight.shape[0]
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if m:
-        config = launch or _launch_config(m, n, inter, x)
-        grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
-        _silu_mul_matmul_kernel[grid](rows, weight, bias if bias is not None else weight, y, m, n, inter,
-                                      rows.stride(0), weight.stride(0), HAS_BIAS=bias is not None,
+        config = _with_split(launch or _launch_config(m, n, inter, x))
+        grid, ws, counts = _grid_and_scratch(m, n, config, x.device)
+        _silu_mul_matmul_kernel[grid](rows, weight, bias if bias is not None else weight, y, ws, counts, m, n,
+                                      inter, rows.stride(0), weight.stride(0), HAS_BIAS=bias is not None,
                                       PRECISION=_precision(x), **config)
     return y
+
+
+def _with_split(config: dict) -> dict:
+    """A launch dict without SPLIT_K (a benchmark's) reads all of K in one program."""
+    return config if "SPLIT_K" in config else {**config, "SPLIT_K": 1}
+
+
+def _grid_and_scratch(m: int, n: int, config: dict, device: torch.device):
+    """The grid, the fp32 partials workspace [tiles, SPLIT_K, BLOCK_M, BLOCK_N] and the tiles' arrival
+    counters (int32, zero between calls) for a launch; with SPLIT_K == 1 both are unused stand-ins."""
+    tiles_m, tiles_n, split = triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]), config["SPLIT_K"]
+    if split < 1:
+        raise ValueError(f"SPLIT_K must be >= 1, got {split}")
+    grid = (tiles_m, tiles_n * split)
+    if split == 1:
+        stand_in = _counters(device, 1)
+        return grid, stand_in, stand_in
+    ws = torch.empty(tiles_m * tiles_n * split * config["BLOCK_M"] * config["BLOCK_N"], dtype=torch.float32,
+                     device=device)
+    return grid, ws, _counters(device, tiles_m * tiles_n)
+
+
+# Arrival counters per device: one per output tile of a split launch. The decode path's largest fused
+# launch is 512 rows (FUSED_MATMUL_MAX_ROWS, 8 row tiles) by an 8B gate_up's 28672 columns (896 tiles
+# of 32): 7,168 tiles. Allocated once and never replaced, since captured graphs keep its address.
+MAX_SPLIT_TILES = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, size: int) -> torch.Tensor:
+    """The device's zeroed int32 counters, kept across calls: the kernels restore every counter they
+    touch to zero, so a launch needs no memset, and a CUDA graph may replay it."""
+    if size > MAX_SPLIT_TILES:
+        raise ValueError(f"a split-K launch of {size} output tiles exceeds MAX_SPLIT_TILES ({MAX_SPLIT_TILES}): "
+                         "use larger BLOCK_M / BLOCK_N or SPLIT_K=1")
+    device = torch.device(device)
+    if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fused matmul: the first call on a device must run outside CUDA graph capture "
+                               "(it allocates the split-K counters); run the step once eagerly first")
+        _COUNTERS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def _check_linear(op: str, x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -192,14 +280,16 @@ def _precision(x: torch.Tensor) -> str:
 
 
 def _launch_config(m: int, n: int, k: int, x: torch.Tensor) -> dict:
-    """Tile sizes, num_warps and num_stages for both kernels. NOT YET TIMED on a GPU: tune with
-    `python benchmarks/kernels.py --fused-matmul --fused-sweep` (BLOCK_N / BLOCK_K / warps / stages).
+    """Tile sizes, K slices, num_warps and num_stages for both kernels. Tune with
+    `python benchmarks/kernels.py --fused-matmul --fused-sweep`.
 
     - BLOCK_M: the smallest of 16 / 32 / 64 covering M (tl.dot needs >= 16 rows); 64 beyond.
     - BLOCK_N: decode GEMMs are weight-read bound, and at M <= 64 there is one row tile, so
-      the column tiles alone must spread W over the SMs: the widest of 128 / 64 / 32 that gives
-      at least one program per SM (else 32: the 135M model's down_proj has N = 576, i.e. 18
-      programs; splitting K would be the next step if that proves too few).
+      the column tiles must spread W over the SMs: the widest of 128 / 64 that gives at least
+      one program per SM, else 32.
+    - SPLIT_K: where the tiles are still fewer than the SMs (the 135M model's down_proj has
+      N = 576: 18 tiles of 32), K is sliced until there are about two programs per SM, each
+      slice at least two BLOCK_K chunks long.
     - BLOCK_K: 256 bytes of each W row per chunk (128 16-bit or 64 fp32 elements).
     - num_stages: software pipelining keeps that many A and W chunks in shared memory
       ([BLOCK_M + BLOCK_N, BLOCK_K] each): up to 4, within ~160 KiB of the ~227 KiB an SM has.
@@ -209,9 +299,12 @@ def _launch_config(m: int, n: int, k: int, x: torch.Tensor) -> dict:
     sms = _sm_count(x.device)
     block_n = next((b for b in (128, 64) if tiles_m * triton.cdiv(n, b) >= sms), 32)
     block_k = 256 // x.element_size()
+    tiles = tiles_m * triton.cdiv(n, block_n)
+    split = 1 if tiles >= sms else max(1, min(2 * sms // tiles, triton.cdiv(k, block_k) // 2))
     stage_bytes = (block_m + block_n) * block_k * x.element_size()
     num_stages = max(2, min(4, (160 * 1024) // stage_bytes))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=num_stages)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4,
+                num_stages=num_stages)
 
 
 @functools.cache

@@ -23,6 +23,8 @@ from medusa.kernels.fused_ops import rms_norm_matmul_reference, silu_mul_matmul_
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16, FP32 = torch.bfloat16, torch.float32
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)  # many tiles on tiny shapes
+SPLIT3 = {**SMALL, "SPLIT_K": 3}  # K sliced: uneven slices (K = 150: 10 chunks as 4 + 4 + 2)
+SPLIT8 = {**SMALL, "SPLIT_K": 8}  # more slices than chunks: the last slices are empty
 
 
 @pytest.fixture(autouse=True)
@@ -86,6 +88,8 @@ NORM_CASES = [  # seed, m, k, n, residual, bias, dtype, launch
     (4, 1, 150, 70, False, True, BF16, SMALL), (5, 3, 136, 33, True, False, BF16, None),
     (6, 17, 100, 48, True, True, BF16, SMALL), (7, 64, 200, 20, True, True, BF16, None),
     (8, 5, 72, 40, True, True, torch.float16, SMALL),
+    (9, 1, 150, 70, True, True, FP32, SPLIT3), (10, 17, 40, 33, True, False, FP32, SPLIT8),
+    (11, 3, 150, 40, False, True, BF16, SPLIT3), (12, 64, 200, 20, True, False, BF16, SPLIT8),
 ]
 
 
@@ -109,6 +113,8 @@ SILU_CASES = [  # seed, m, inter, n, bias, dtype, launch
     (3, 64, 72, 20, False, FP32, None), (4, 1, 150, 24, False, BF16, SMALL), (5, 3, 100, 33, True, BF16, None),
     (6, 17, 136, 40, False, BF16, SMALL), (7, 64, 40, 50, False, BF16, None),
     (8, 5, 72, 40, False, torch.float16, SMALL),
+    (9, 1, 150, 24, True, FP32, SPLIT3), (10, 17, 40, 70, False, FP32, SPLIT8),
+    (11, 3, 150, 33, False, BF16, SPLIT3), (12, 64, 100, 50, True, BF16, SPLIT8),
 ]
 
 
@@ -122,6 +128,23 @@ def test_silu_mul_matmul(seed, m, inter, n, with_bias, dtype, launch, monkeypatc
         got = fm.silu_mul_matmul_triton(x, w, bias, launch=launch)
     want = silu_mul_matmul_reference(x, w, bias)
     assert got.shape == (m, n) and got.dtype == dtype and close(got, want, dtype)
+
+
+def test_split_k_leaves_its_counters_at_zero_and_repeats_exactly():
+    """The last slice to arrive zeroes its tile's counter: a second call (a graph replay, say) starts
+    clean, and sums the slices in the same order, so it gives the same bits."""
+    g = torch.Generator().manual_seed(13)
+    x, norm_w, w = rand(g, 5, 150), rand(g, 150), rand(g, 70, 150, scale=0.1)
+    first, _ = fm.rms_norm_matmul_triton(x, norm_w, 1e-5, w, launch=SPLIT3)
+    assert not fm._counters(x.device, 1).any()
+    again, _ = fm.rms_norm_matmul_triton(x, norm_w, 1e-5, w, launch=SPLIT3)
+    assert torch.equal(first, again) and not fm._counters(x.device, 1).any()
+    gate_up, w2 = rand(g, 5, 2 * 150), rand(g, 70, 150, scale=0.1)
+    assert torch.equal(fm.silu_mul_matmul_triton(gate_up, w2, launch=SPLIT8),
+                       fm.silu_mul_matmul_triton(gate_up, w2, launch=SPLIT8))
+    assert not fm._counters(x.device, 1).any()
+    with pytest.raises(ValueError, match="SPLIT_K must be >= 1"):
+        fm.silu_mul_matmul_triton(gate_up, w2, launch={**SMALL, "SPLIT_K": 0})
 
 
 def test_strided_rows_leading_dims_and_empty_inputs(monkeypatch):
@@ -179,8 +202,10 @@ def test_launch_config_fills_the_gpu_with_column_tiles(monkeypatch):
     x = torch.ones(1, device=DEVICE, dtype=BF16)
     small = fm._launch_config(1, 576, 1536, x)  # 135M down_proj at batch 1: few columns
     assert small["BLOCK_M"] == 16 and small["BLOCK_N"] == 32 and small["BLOCK_K"] == 128
-    assert fm._launch_config(40, 28672, 4096, x)["BLOCK_M"] == 64  # 8B gate_up: plenty of column tiles
-    assert fm._launch_config(40, 28672, 4096, x)["BLOCK_N"] == 128
+    assert small["SPLIT_K"] == 6  # 18 tiles x 6 slices of 2 chunks: 108 programs, not 18
+    assert fm._launch_config(1, 2048, 8192, x)["SPLIT_K"] == 4  # 1B down_proj: 64 tiles x 4
+    big = fm._launch_config(40, 28672, 4096, x)  # 8B gate_up: plenty of column tiles
+    assert big["BLOCK_M"] == 64 and big["BLOCK_N"] == 128 and big["SPLIT_K"] == 1
     assert fm._launch_config(3, 100, 64, x.float())["BLOCK_K"] == 64
 
 
