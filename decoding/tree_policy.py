@@ -32,8 +32,11 @@ yet run at that size is charged its graph time plus the host time measured
 there for trees of its kind (else for any tree: a plain step's host time is a
 floor for every step's).
 
-Each batch size tries its best tree and the plain step for a few steps, then
-runs the one with the most tokens per second; speculation must beat plain
+Each batch size tries its best tree, every other tree whose score is within
+TRIAL_BAND of it, and the plain step for a few steps each, then runs the one
+with the most tokens per second (near the best, priors cannot rank trees. On an
+H200 at one request, trying the best alone settled on a 32-node tree at 2.60
+tokens per step; an earlier policy had run the 64-node one at 2.68); speculation must beat plain
 decoding by MARGIN, for what the step times cannot see (requests that finish at
 scattered steps are admitted one prefill at a time, new rows run the heads). A
 long run of one kind gives the best of the other kind one step (every
@@ -68,6 +71,8 @@ TRIAL_STEPS = 4  # wall-timed steps a tree runs at a batch size before its own t
 # a tree's wall time at a batch size is the median of its last WALL_WINDOW steps there: two slow steps
 # in five move it little, three new steps (three revisits for a kind that is not running) replace it
 WALL_WINDOW = 5
+# speculative trees scoring within this factor of the best one are tried too before a batch size decides
+TRIAL_BAND = 1.1
 REVISIT_STEPS = 200  # steps of one kind (plain or speculative) at a batch size before the other kind runs one
 SETTLE_STEPS = 8  # a batch size running its decided tree re-decides every SETTLE_STEPS steps of it
 # Speculation must promise this many times plain decoding's tokens per second: near a tie, noise and the
@@ -174,7 +179,8 @@ class TreePolicy:
             if seconds:
                 self._host[bucket, kind] = sum(seconds) / len(seconds)
         best = self._best(bucket)
-        if self._tried(bucket, best) and self._tried(bucket, self.plain[bucket]):
+        if (self._tried(bucket, best) and self._tried(bucket, self.plain[bucket])
+                and not self._untried_near_best(bucket, best)):
             self.decision[bucket] = best
         else:
             self.decision.pop(bucket, None)
@@ -244,9 +250,12 @@ class TreePolicy:
         if self._borrows_plain(bucket):
             return self.plain[bucket]
         best = self.decision.get(bucket)
-        if best is None:  # on trial: the best tree so far, then the plain step
+        if best is None:  # on trial: the best tree so far, the trees near it, then the plain step
             best = self._best(bucket)
-            return best if not self._tried(bucket, best) else self.plain[bucket]
+            if not self._tried(bucket, best):
+                return best
+            near = self._untried_near_best(bucket, best)
+            return near[0] if near else self.plain[bucket]
         speculative, steps = self.run.get(bucket, (False, 0))
         if steps >= REVISIT_STEPS and speculative == (best.num_nodes > 1):
             others = [tree for tree in self.step_cost[bucket] if (tree.num_nodes > 1) != speculative]
@@ -256,6 +265,15 @@ class TreePolicy:
 
     def _best(self, bucket: int) -> TreeSpec:
         return max(self.step_cost[bucket], key=lambda tree: self.score(bucket, tree))
+
+    def _untried_near_best(self, bucket: int, best: TreeSpec) -> list[TreeSpec]:
+        """Untried speculative trees scoring within TRIAL_BAND of `best` (a speculative best), best first."""
+        if best.num_nodes == 1:
+            return []
+        floor = self.score(bucket, best) / TRIAL_BAND
+        near = [tree for tree in self.step_cost[bucket] if tree.num_nodes > 1 and not self._tried(bucket, tree)
+                and self.score(bucket, tree) >= floor]
+        return sorted(near, key=lambda tree: -self.score(bucket, tree))
 
     def _tried(self, bucket: int, tree: TreeSpec) -> bool:
         wall = self.wall.get(bucket, {}).get(tree)

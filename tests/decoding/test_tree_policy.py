@@ -283,3 +283,23 @@ def test_plain_trial_steps_that_run_the_heads_are_charged_without_them():
     assert policy.cost(1, trees[1]) == 1.0
     policy.observe_step(1, trees[1], 1.3)  # a step without the heads is charged as measured
     assert list(policy.wall[1][trees[1]].recent)[-1] == 1.3
+
+
+def test_trees_scoring_near_the_best_are_tried_before_a_batch_size_decides():
+    """Priors cannot rank trees within a few percent of each other: each such tree runs its trials.
+    Here the 16-node tree's prior is 5% below the 64-node tree's but it really accepts more."""
+    from medusa.decoding.tree_policy import TRIAL_BAND
+
+    engine, trees = engine_with_costs({1: {1: 1.0, 4: 1.0, 16: 1.0, 64: 1.0}}, {1: 1.0, 4: 1.2, 16: 2.28, 64: 2.4})
+    policy = engine.policy
+    assert 2.4 / 2.28 < TRIAL_BAND < 2.4 / 1.2
+    ran = []
+    for _ in range(6 * TRIAL_STEPS):
+        tree = engine.scheduler.tree_for(1)
+        ran.append(tree.num_nodes)
+        accepted = {1: 1.0, 4: 1.2, 16: 2.6, 64: 2.2}[tree.num_nodes]
+        policy.observe(tree, accepted * 100, 100)
+        policy.observe_step(1, tree, 1.0)
+    assert ran[:3 * TRIAL_STEPS] == [64] * TRIAL_STEPS + [16] * TRIAL_STEPS + [1] * TRIAL_STEPS
+    assert 4 not in ran  # half the best's score: not worth a trial
+    assert policy.decision[1] is trees[16] and set(ran[3 * TRIAL_STEPS:]) == {16}
