@@ -5,7 +5,9 @@ verifier for the accepted path, moves that path's KV into place, and proposes
 the next tree from the heads at the deepest accepted node. Plain decoding is the
 same loop with the single-node tree, so comparisons run identical code. A tree's
 prompt-lookup chain (`TreeSpec.lookup`) gets the tokens after the latest earlier
-occurrence of the sequence's last few tokens, as in the engine.
+occurrence of the sequence's last few tokens, as in the engine. With a
+`SpeculationGate`, greedy decoding runs plain steps wherever speculation is
+measured to lose (`speculation_gate.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from medusa.decoding.kv_cache import ContiguousKVCache
 from medusa.decoding.prompt_lookup import NgramIndex
 from medusa.decoding.proposer import Proposer, propose_from_heads
 from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
+from medusa.decoding.speculation_gate import SpeculationGate
 from medusa.decoding.verifier import AcceptanceConfig, verify
 from medusa.heads import MedusaHeads
 from medusa.model import DecoderModel
@@ -53,7 +56,7 @@ class TreeDecoder:
     """Runs one sequence at a time on a contiguous KV cache."""
 
     def __init__(self, model: DecoderModel, heads: MedusaHeads | None, tree: TreeSpec,
-                 proposer: Proposer = propose_from_heads) -> None:
+                 proposer: Proposer = propose_from_heads, gate: SpeculationGate | None = None) -> None:
         if tree.num_nodes > 1:
             if heads is None and proposer is propose_from_heads:
                 raise ValueError("a tree with more than one node needs Medusa heads (or a custom proposer)")
@@ -62,6 +65,8 @@ class TreeDecoder:
         self.model, self.heads, self.proposer = model, heads, proposer
         self.device = model.embed_tokens.weight.device
         self.tree = DeviceTree.from_spec(tree, self.device)
+        self.single = DeviceTree.from_spec(TreeSpec.load("single"), self.device)  # a gated step's plain fallback
+        self.gate = gate if tree.num_nodes > 1 else None  # kept across calls: it learns this device's costs
         self.stats = DecodeStats()
 
     @torch.inference_mode()
@@ -80,24 +85,41 @@ class TreeDecoder:
         generated: list[int] = []
         # prompt + generated + the pending root, which the next step emits first
         lookup = NgramIndex(prompt_ids + [int(root)]) if self.tree.num_lookup else None
+        gate = self.gate if sampling.greedy else None
+        speculate, heads_seconds = True, 0.0  # the prefill's heads proposed the first tree (not charged)
         while len(generated) < max_new_tokens:
             step_start = time.perf_counter()
-            candidates = self.proposer(self.tree, root, head_logits, generated)  # [N]
-            if lookup is not None:
-                candidates = self._fill_lookup(candidates, lookup)
-            hidden = self._forward(cache, candidates, cache.length + self.tree.depths, self.tree.mask)
+            tree = self.tree if speculate else self.single
+            candidates = self._candidates(tree, root, head_logits, generated, lookup)  # [N]
+            hidden = self._forward(cache, candidates, cache.length + tree.depths, tree.mask)
             logits = self.model.compute_logits(hidden)
-            verdict = verify(self.tree, candidates, logits, sampling, acceptance, sampler, len(generated) + 1)
+            verdict = verify(tree, candidates, logits, sampling, acceptance, sampler, len(generated) + 1)
             cache.commit(verdict.accepted)
             tokens = candidates[verdict.accepted].tolist()
             root = verdict.next_token
             if lookup is not None:  # tokens[0] is the old root, already indexed; .tolist() has synced
                 lookup.extend(tokens[1:] + [int(root)])
-            head_logits = self._head_logits(hidden[verdict.accepted[-1]], root)
+            if gate is not None:  # a speculative step is charged the heads that proposed its tree
+                seconds = time.perf_counter() - step_start + (heads_seconds if speculate else 0.0)
+                gate.observe(speculate, seconds, len(tokens))
+                speculate = gate.speculate()
+            heads_start = time.perf_counter()
+            head_logits = self._head_logits(hidden[verdict.accepted[-1]], root) if speculate else None
+            if gate is not None:
+                self._sync()
+                heads_seconds = time.perf_counter() - heads_start
             generated.extend(tokens)
             self.stats.accepted_lengths.append(len(tokens))
             self.stats.decode_seconds += time.perf_counter() - step_start
             yield tokens
+
+    def _candidates(self, tree: DeviceTree, root, head_logits: torch.Tensor | None, generated: list[int],
+                    lookup: NgramIndex | None) -> torch.Tensor:
+        """The step's tree tokens [N]: the heads' proposals (and lookup chain), or the root alone."""
+        if tree is self.single:
+            return torch.as_tensor(root, device=self.device).view(1)
+        candidates = self.proposer(tree, root, head_logits, generated)
+        return self._fill_lookup(candidates, lookup) if lookup is not None else candidates
 
     def _fill_lookup(self, candidates: torch.Tensor, lookup: NgramIndex) -> torch.Tensor:
         """candidates [N] with the lookup chain's tokens proposed from the index (prompt + output + root)."""

@@ -21,6 +21,7 @@ from medusa.decoding.engine import EngineConfig, LLMEngine, stream
 from medusa.decoding.generator import TreeDecoder
 from medusa.decoding.sampler import SamplingConfig
 from medusa.decoding.sampling_params import SamplingParams
+from medusa.decoding.speculation_gate import SpeculationGate
 from medusa.decoding.tree_select import choose_tree
 from medusa.decoding.verifier import AcceptanceConfig
 from medusa.heads import MedusaHeads
@@ -81,7 +82,8 @@ class MedusaModel:
         self.prompt_lookup = prompt_lookup  # the engine's EngineConfig.prompt_lookup
         self.eos_token_ids = _eos_ids(base, tokenizer)
         self._tree_choice = tree
-        self._decoders: dict[TreeSpec, TreeDecoder] = {}
+        self._auto_choice: TreeSpec | None = None  # the tree choose_tree measured, once it has
+        self._decoders: dict[tuple[TreeSpec, bool], TreeDecoder] = {}
         self._engines: dict[bool, LLMEngine] = {}
 
     @classmethod
@@ -226,13 +228,16 @@ class MedusaModel:
 
     def decoder(self, tree: TreeSpec | str | None = None) -> TreeDecoder:
         """The decoder for a tree (cached per tree), a speculative one with the model's prompt-lookup
-        chain; None means the model's default choice."""
+        chain; None means the model's default choice. The tree measured on this device ("auto")
+        gets a `SpeculationGate`: greedy steps fall back to plain decoding where it is faster."""
         spec = self.resolve_tree(tree)
+        gated = spec is self._auto_choice and spec.num_nodes > 1
         if self.prompt_lookup and spec.num_nodes > 1 and not spec.lookup:
             spec = spec.with_lookup(self.prompt_lookup)
-        if spec not in self._decoders:
-            self._decoders[spec] = TreeDecoder(self.base, self.heads if spec.num_nodes > 1 else None, spec)
-        return self._decoders[spec]
+        if (spec, gated) not in self._decoders:
+            self._decoders[spec, gated] = TreeDecoder(self.base, self.heads if spec.num_nodes > 1 else None, spec,
+                                                      gate=SpeculationGate() if gated else None)
+        return self._decoders[spec, gated]
 
     def resolve_tree(self, tree: TreeSpec | str | None = None) -> TreeSpec:
         """Explicit argument, else the model's tree, else "auto" (measured on this device)."""
@@ -243,7 +248,7 @@ class MedusaModel:
             return TreeSpec.load("single")
         if choice is None or choice == "auto":
             choice = choose_tree(self.base, self.heads)
-            self._tree_choice = choice  # measure once per model
+            self._tree_choice = self._auto_choice = choice  # measure once per model
         return choice if isinstance(choice, TreeSpec) else TreeSpec.load(choice)
 
     def _run(self, decoder: TreeDecoder, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig,

@@ -100,3 +100,21 @@ def test_bad_settings_are_named(model):
         model.chat("x", max_new_tokens=10**6)
     with pytest.raises(ValueError, match="acceptance"):
         model.chat("x", acceptance="optimistic")
+
+
+def test_the_tree_measured_here_is_gated_and_a_pinned_one_is_not(model, monkeypatch):
+    """Only the automatic choice may fall back to plain steps (speculation_gate.py): a tree the
+    caller named runs as named."""
+    import medusa.medusa_model as medusa_model
+    from medusa.tree import TreeSpec
+
+    assert model.decoder().gate is None  # the fixture pins tree-8
+    monkeypatch.setattr(medusa_model, "choose_tree", lambda base, heads: TreeSpec.load("tree-4"))
+    monkeypatch.setattr(model, "_tree_choice", None)
+    monkeypatch.setattr(model, "_auto_choice", None)
+    auto = model.decoder()
+    assert auto.gate is not None and auto.tree.spec.name == "tree-4"
+    assert model.decoder(model.resolve_tree()) is auto  # the CLI passes the resolved tree back
+    assert model.decoder("tree-4").gate is None and model.decoder("single").gate is None
+    medusa = model.chat(QUESTION, max_new_tokens=24)
+    assert medusa.token_ids == model.chat(QUESTION, max_new_tokens=24, speculative=False).token_ids
