@@ -11,7 +11,10 @@ each batch size:
 - the first TRIAL_STEPS steps speculate, the next TRIAL_STEPS run plain;
 - from then on a step speculates when the recent speculative steps' tokens per
   second beat plain decoding's by MARGIN (the heads' time counted in: a step
-  that speculates next must run them first);
+  that speculates next must run them first). The tokens per speculative step
+  start from the tree's expected accepted length under the heads' accuracies,
+  worth PRIOR_STEPS steps, so that a few unlucky trial steps (an answer's first
+  words are the hardest to guess) do not switch speculation off;
 - a run of REVISIT_STEPS plain steps is followed by one speculative step, so
   that text the heads do well on (a list, code, a quotation) wins speculation back.
 
@@ -28,11 +31,14 @@ from medusa.decoding.tree_policy import MARGIN
 
 TRIAL_STEPS = 4  # steps of each kind before the measurements decide
 WINDOW = 16  # the recent steps of each kind whose time and tokens count
-REVISIT_STEPS = 32  # plain steps in a row before speculation gets one step to re-measure
+PRIOR_STEPS = 8  # how many speculative steps the heads' predicted accepted length is worth
+REVISIT_STEPS = 16  # plain steps in a row before speculation gets one step to re-measure
 
 
 class SpeculationGate:
-    def __init__(self) -> None:
+    def __init__(self, expected_length: float = 1.0) -> None:
+        """expected_length: the tree's predicted tokens per speculative step (1.0: no prediction)."""
+        self.expected_length = expected_length
         self._spec_seconds: deque[float] = deque(maxlen=WINDOW)  # step + heads, per speculative step
         self._spec_tokens: deque[int] = deque(maxlen=WINDOW)  # tokens each emitted
         self._plain_seconds: deque[float] = deque(maxlen=WINDOW)
@@ -46,8 +52,12 @@ class SpeculationGate:
             return False
         if self._plain_run >= REVISIT_STEPS:
             return True
-        spec_rate = sum(self._spec_tokens) / len(self._spec_tokens) / median(self._spec_seconds)
-        return spec_rate > MARGIN / median(self._plain_seconds)
+        return self.tokens_per_step() / median(self._spec_seconds) > MARGIN / median(self._plain_seconds)
+
+    def tokens_per_step(self) -> float:
+        """Tokens per speculative step: the recent ones', with the prediction worth PRIOR_STEPS of them."""
+        tokens = self.expected_length * PRIOR_STEPS + sum(self._spec_tokens)
+        return tokens / (PRIOR_STEPS + len(self._spec_tokens))
 
     def observe(self, speculative: bool, seconds: float, emitted: int) -> None:
         """A finished step: its wall time (a speculative one's including the heads that proposed

@@ -232,12 +232,21 @@ class MedusaModel:
         gets a `SpeculationGate`: greedy steps fall back to plain decoding where it is faster."""
         spec = self.resolve_tree(tree)
         gated = spec is self._auto_choice and spec.num_nodes > 1
+        expected = self._expected_length(spec) if gated else 1.0  # the heads' part: a lookup chain adds more
         if self.prompt_lookup and spec.num_nodes > 1 and not spec.lookup:
             spec = spec.with_lookup(self.prompt_lookup)
         if (spec, gated) not in self._decoders:
             self._decoders[spec, gated] = TreeDecoder(self.base, self.heads if spec.num_nodes > 1 else None, spec,
-                                                      gate=SpeculationGate() if gated else None)
+                                                      gate=SpeculationGate(expected) if gated else None)
         return self._decoders[spec, gated]
+
+    def _expected_length(self, spec: TreeSpec) -> float:
+        """The tree's accepted length predicted from the heads' measured accuracies (1.0 without them)."""
+        accuracies = self.heads.config.accuracies if self.heads is not None else None
+        try:
+            return spec.expected_accept_length(accuracies) if accuracies else 1.0
+        except ValueError:  # accuracies that do not cover the tree's heads or ranks
+            return 1.0
 
     def resolve_tree(self, tree: TreeSpec | str | None = None) -> TreeSpec:
         """Explicit argument, else the model's tree, else "auto" (measured on this device)."""

@@ -29,9 +29,22 @@ def test_trials_then_the_faster_kind_on_the_clock():
     losing = SpeculationGate()  # 1.5 tokens for 2x a plain step's time
     assert run_trials(losing, 2.0, 2, 1.0) == [True] * TRIAL_STEPS + [False] * TRIAL_STEPS
     assert not losing.speculate()
-    winning = SpeculationGate()  # 2 tokens for 1.5x
+    winning = SpeculationGate(expected_length=2.0)  # 2 tokens for 1.5x, as predicted
     run_trials(winning, 1.5, 2, 1.0)
     assert winning.speculate()
+
+
+def test_the_heads_prediction_outweighs_a_few_unlucky_trial_steps_but_not_a_window_of_them():
+    from medusa.decoding.speculation_gate import PRIOR_STEPS
+
+    predicted, unpredicted = SpeculationGate(expected_length=2.0), SpeculationGate()
+    for gate in (predicted, unpredicted):  # an answer's first words: 1 token per step, at 1.3x the cost
+        run_trials(gate, 1.3, 1, 1.0)
+    assert predicted.tokens_per_step() == (2.0 * PRIOR_STEPS + TRIAL_STEPS) / (PRIOR_STEPS + TRIAL_STEPS)
+    assert predicted.speculate() and not unpredicted.speculate()
+    for _ in range(WINDOW):
+        predicted.observe(True, 1.3, 1)
+    assert not predicted.speculate()
 
 
 def test_speculation_must_win_by_the_margin():
