@@ -34,14 +34,14 @@ floor for every step's).
 
 Each batch size tries its best tree, every other tree whose score is within
 TRIAL_BAND of it, and the plain step for a few steps each, then runs the one
-with the most tokens per second (near the best, priors cannot rank trees. On an
+with the most tokens per second. Near the best, priors cannot rank trees: on an
 H200 at one request, trying the best alone settled on a 32-node tree at 2.60
-tokens per step; an earlier policy had run the 64-node one at 2.68); speculation must beat plain
-decoding by MARGIN, for what the step times cannot see (requests that finish at
-scattered steps are admitted one prefill at a time, new rows run the heads). A
-long run of one kind gives the best of the other kind one step (every
-REVISIT_STEPS steps), so neither a change of traffic nor one unlucky timing can
-switch speculation off, or plain decoding out, for good.
+tokens per step, where an earlier policy had run the 64-node one at 2.68.
+Speculation must beat plain decoding by MARGIN, for what the step times cannot
+see (requests that finish at scattered steps are admitted one prefill at a time,
+new rows run the heads). A long run of one kind gives the best of the other kind
+one step (every REVISIT_STEPS steps), so neither a change of traffic nor one
+unlucky timing can switch speculation off, or plain decoding out, for good.
 
 A plain step that runs the heads (a trial's, or a revisit's, so the speculative
 step after it has proposals) costs more than plain decoding does once settled,
