@@ -26,7 +26,9 @@ also reads the tokens of heads 0..k-1's greedy chain: in training the sequence's
 tokens t+2..t+k+1 (teacher forcing), when proposing each earlier head's top-1
 token, so the heads run one after another. Every tree node of depth k+1 still
 draws from head k's one top-k list (the tree stays a Medusa tree); the list is
-the one that fits the top-1 path, the path that is accepted most often.
+the one that fits the top-1 path, the path that is accepted most often. On the
+default model (H200, session 7) chaining added 0.09 to the held-out accepted
+length but nothing on Spec-Bench with lookup, at a dearer step: it is off by default.
 
 Checkpoints: `save_pretrained` writes `config.json` + `heads.safetensors`;
 `from_pretrained` also reads the FasterDecoding/Medusa, text-generation-inference
