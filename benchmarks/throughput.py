@@ -116,14 +116,14 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         m, prompts = default_model(device, dtype, args.heads)
         base, heads, tokenizer, eos = m.base, m.heads, m.tokenizer, sorted(m.eos_token_ids)
         config = m.engine_config()
-        params = SamplingParams(max_tokens=args.max_tokens)
+        params = SamplingParams(max_tokens=args.max_tokens, output_kind=args.output_kind)
     else:
         base, heads, tokenizer = random_model(name, device, dtype)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, base.config.vocab_size, (int(n),), generator=g).tolist()
                    for n in torch.randint(64, 256, (args.requests_per_slot * max(args.concurrency),), generator=g)]
         eos, config = [], EngineConfig()
-        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, output_kind=args.output_kind)
     scheduler = SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=4096)
     config = EngineConfig(num_blocks=args.num_blocks, trees=config.trees, scheduler=scheduler,
                           prompt_lookup=args.prompt_lookup)
@@ -178,6 +178,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per level; the median one is reported")
     p.add_argument("--profile-steps", action="store_true",
                    help="run each level a second time with every step phase timed (benchmarks/phases.py)")
+    p.add_argument("--output-kind", default="delta", choices=("delta", "final"),
+                   help="SamplingParams.output_kind: text every step (streaming, the default) or once at the end")
     p.add_argument("--heads", default=None, help="heads folder for the default model (default: the shipped heads)")
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 levels, 8 tokens (CPU, CI)")
     p.add_argument("--prompt-lookup", type=int, default=None,
@@ -197,7 +199,7 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     (out / "results.json").write_text(json.dumps({"device": device_name, "dtype": str(dtype),
                                                    "max_tokens": args.max_tokens, "prompt_lookup": args.prompt_lookup,
-                                                   "repeats": args.repeats, "heads": args.heads,
+                                                   "repeats": args.repeats, "heads": args.heads, "output_kind": args.output_kind,
                                                    "rows": rows}, indent=2))
     plot(rows, out / "throughput.png")
     for r in rows:

@@ -115,3 +115,25 @@ class IncrementalDetokenizer:
                     hold = max(hold, n)
                     break
         return hold
+
+
+class FinalDetokenizer:
+    """IncrementalDetokenizer's interface for output_kind="final" without stop strings: `add` only
+    keeps the ids, `flush` decodes them all at once (the same text, as the incremental one's test
+    checks), so a request that is read only when it ends pays for one decode, not one per step."""
+
+    stop: tuple[str, ...] = ()
+    stopped = False
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._decode_ids = _decoder(tokenizer)
+        self.token_ids: list[int] = []
+        self.text = ""  # empty until flush
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        self.token_ids.extend(token_ids)
+        return ""
+
+    def flush(self) -> str:
+        self.text = self._decode_ids(self.token_ids) if self.token_ids else ""
+        return self.text

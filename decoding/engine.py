@@ -22,14 +22,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence as Seq
 
 import numpy as np
 import torch
 
 from medusa.decoding.block_manager import BlockManager
-from medusa.decoding.detokenizer import IncrementalDetokenizer
+from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
 from medusa.decoding.decode_step import RowSampling
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.logits_processing import penalize, suppress_eos
@@ -77,7 +77,7 @@ class _Request:
     seq: Sequence
     params: SamplingParams
     sampler: TokenSampler
-    detok: IncrementalDetokenizer | None
+    detok: IncrementalDetokenizer | FinalDetokenizer | None
     row: int | None = None  # the decode state row (pending root, head top-k) while it decodes
     new_text: str = ""  # released by the detokenizer since the last output
     parent_id: str = ""  # the id the client knows (several sequences share it when n > 1)
@@ -90,6 +90,15 @@ class _Request:
 
     def __post_init__(self) -> None:
         self.sampling = self.params.sampling()
+
+
+def _detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer | FinalDetokenizer | None:
+    """Text every step (streaming, or stop strings to look for), else text once at the end."""
+    if tokenizer is None:
+        return None
+    if params.output_kind == "final" and not params.stop:
+        return FinalDetokenizer(tokenizer)
+    return IncrementalDetokenizer(tokenizer, params.stop)
 
 
 def _until_stop_string(request: _Request, tokens: list[int]) -> tuple[list[int], bool]:
@@ -152,7 +161,7 @@ class LLMEngine:
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             sub = rid if params.n == 1 else f"{rid}#{index}"
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+            detok = _detokenizer(self.tokenizer, params)
             request = _Request(Sequence(sub, ids), params, TokenSampler(seed), detok, parent_id=rid, index=index,
                                stop_ids=stop_ids)
             self.requests[sub] = request
@@ -213,8 +222,10 @@ class LLMEngine:
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams()
                  ) -> list[RequestOutput]:
-        """Run to completion; one output per prompt and completion, ordered by (prompt, index)."""
+        """Run to completion; one output per prompt and completion, ordered by (prompt, index). Only the
+        finished outputs are returned, so the text is decoded once per request (output_kind="final")."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        params = [replace(p, output_kind="final") for p in params]
         ids = [(self.add_request(p, sp), sp.n) for p, sp in zip(prompts, params)]
         final: dict[tuple[str, int], RequestOutput] = {}
         while self.has_unfinished():

@@ -25,6 +25,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     speculative: bool = True
+    # "delta": every output carries the text its new tokens add (streaming: the text is decoded every
+    # step). "final": text only in the finished output, decoded once at the end; earlier outputs carry
+    # token ids only. Per-step detokenizing costs about as much host time per token as the rest of a
+    # step's bookkeeping, so a caller that waits for the end should ask for "final" (LLMEngine.generate
+    # and non-streaming server requests do). Stop strings are still looked for every step.
+    output_kind: str = "delta"
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +53,8 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
             object.__setattr__(self, name, float(value))
+        if self.output_kind not in ("delta", "final"):
+            raise ValueError(f"output_kind must be 'delta' or 'final', got {self.output_kind!r}")
         self.sampling()  # validates temperature, top_p, top_k
 
     @property

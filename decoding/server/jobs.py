@@ -146,7 +146,8 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
             stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=bool(req.ignore_eos), n=req.n or 1, logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            speculative=req.speculative is not False)
+            speculative=req.speculative is not False,
+            output_kind="delta" if req.stream else "final")  # a full response is read once, at the end
     except ValueError as err:  # e.g. min_tokens > max_tokens
         raise bad_request(str(err)) from None
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from medusa.decoding.detokenizer import IncrementalDetokenizer, _decoder
+from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer, _decoder
 
 TEXT = ("Héllo wörld! 你好，世界。 Emoji: 🦊🚀 — «quotes» and math: ∑ x² ≤ 10.\n"
         "def f(x):\n    return x ** 2  # ünïcode\n") * 3
@@ -35,6 +35,16 @@ def test_random_tokens_give_the_text_of_one_decode(tokenizer, seed):
     detok, released = feed(tokenizer, ids, seed)
     whole = tokenizer.decode(ids, skip_special_tokens=True)
     assert detok.text == whole and released == whole
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_final_only_detokenizer_gives_the_incremental_text_in_one_decode(tokenizer, seed):
+    rng = random.Random(seed)
+    ids = tokenizer.encode(TEXT) + [rng.randrange(tokenizer.vocab_size) for _ in range(50)]
+    incremental, _ = feed(tokenizer, ids, seed)
+    final = FinalDetokenizer(tokenizer)
+    assert all(final.add(ids[i:i + 3]) == "" for i in range(0, len(ids), 3)) and final.text == ""
+    assert final.flush() == final.text == incremental.text and not final.stopped
 
 
 def test_the_short_decode_path_gives_the_tokenizers_text(default_model_dir, tokenizer):

@@ -142,6 +142,8 @@ def test_min_tokens_and_stop_token_ids(tiny):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="output_kind must be 'delta' or 'final', got 'last'"):
+        SamplingParams(output_kind="last")
 
 
 def test_n_completions_and_logprobs(tiny):
@@ -197,6 +199,34 @@ def test_streamed_text_adds_up_to_the_decoded_tokens(tiny):
     for rid, out in final.items():
         assert streamed[rid] == out.text == _Letters().decode(out.token_ids), rid
     assert "b" not in final["1"].text
+
+
+def test_final_output_kind_decodes_the_text_once_at_the_end(tiny):
+    """output_kind="final": no text until the finished output, which then carries all of it, equal to
+    what streaming gives; a request with stop strings still detokenizes every step to find them."""
+    model, heads = tiny
+    ps = prompts(3, seed=7)
+
+    def run(kind):
+        engine = LLMEngine(model, heads, EngineConfig(), tokenizer=_Letters())
+        params = [SamplingParams(max_tokens=30, output_kind=kind), SamplingParams(max_tokens=5, output_kind=kind),
+                  SamplingParams(max_tokens=30, stop=("b",), output_kind=kind)]
+        for i, (p, sp) in enumerate(zip(ps, params)):
+            engine.add_request(p, sp, request_id=str(i))
+        outs = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).append(out)
+        return outs
+
+    streamed, final = run("delta"), run("final")
+    for rid in ("0", "1"):
+        *early, last = final[rid]
+        assert early and all(o.new_text == o.text == "" for o in early)
+        assert last.finished and last.new_text == last.text == streamed[rid][-1].text != ""
+        assert last.token_ids == streamed[rid][-1].token_ids
+    assert "".join(o.new_text for o in final["2"]) == final["2"][-1].text == streamed["2"][-1].text
+    assert any(o.new_text for o in final["2"][:-1]) and "b" not in final["2"][-1].text
 
 
 def test_every_output_keeps_the_tokens_it_was_made_with(tiny):
