@@ -159,8 +159,14 @@ class MedusaModel:
     def _on_engine(self, tree: TreeSpec | str | None, acceptance: str) -> bool:
         """On a GPU, one prompt runs alone on the engine (CUDA graphs, trees chosen from measured
         step times) unless the caller pinned a tree or the typical acceptance rule."""
-        pinned = tree is not None or self._tree_choice not in (None, "auto")
-        return self.base.embed_tokens.weight.is_cuda and not pinned and acceptance == "auto"
+        return self.base.embed_tokens.weight.is_cuda and not self._pinned(tree) and acceptance == "auto"
+
+    def _pinned(self, tree: TreeSpec | str | None) -> bool:
+        """Whether a tree was named, here or at load time. The tree `choose_tree` measured (which
+        `resolve_tree` caches, and the CLI passes back) is no one's pin."""
+        def named(choice) -> bool:
+            return choice not in (None, "auto") and choice is not self._auto_choice
+        return named(tree) or named(self._tree_choice)
 
     def _run_engine(self, prompt_ids: list[int], params: SamplingParams, speculative: bool):
         start = time.perf_counter()

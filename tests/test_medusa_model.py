@@ -118,3 +118,8 @@ def test_the_tree_measured_here_is_gated_and_a_pinned_one_is_not(model, monkeypa
     assert model.decoder("tree-4").gate is None and model.decoder("single").gate is None
     medusa = model.chat(QUESTION, max_new_tokens=24)
     assert medusa.token_ids == model.chat(QUESTION, max_new_tokens=24, speculative=False).token_ids
+    # on a GPU an unpinned prompt runs on the engine: measuring the tree once must not pin it
+    assert not model._pinned(None) and not model._pinned(model.resolve_tree()) and not model._pinned("auto")
+    assert model._pinned("tree-4") and model._pinned(TreeSpec.load("tree-4"))
+    monkeypatch.setattr(model, "_tree_choice", "tree-8")
+    assert model._pinned(None)
