@@ -66,6 +66,11 @@ def _generate(args: argparse.Namespace) -> int:
           f"tree: {tree.name or 'custom'} ({tree.num_nodes} nodes"
           f"{f' + {model.prompt_lookup} prompt-lookup' if tree.num_nodes > 1 and model.prompt_lookup else ''})]",
           file=sys.stderr)
+    if model.base.embed_tokens.weight.is_cuda:  # the engine captures its CUDA graphs at first use: not in the timing
+        warm = {**options, "max_new_tokens": 2}
+        model.generate(inputs, tree=tree, **warm)
+        if args.compare:
+            model.generate(inputs, speculative=False, **warm)
     stream = model.generate(inputs, stream=True, tree=tree, **options)
     for delta in stream:
         print(delta, end="", flush=True)
