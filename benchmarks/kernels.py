@@ -134,7 +134,8 @@ def fused_matmul_curve(args, device, dtype) -> list[dict]:
                     row["sweep"] = [{**launch, "us": _in_graph_us(lambda w: fused(w, launch), weights, args)}
                                     for launch in _fused_launches(m)]
                 rows.append(row)
-                print({k: v for k, v in row.items() if k != "sweep"}, flush=True)
+                best = min(row.get("sweep", []), key=lambda r: r["us"], default=None)  # printed: a run cut short keeps it
+                print({k: v for k, v in row.items() if k != "sweep"} | ({"best_sweep": best} if best else {}), flush=True)
     return rows
 
 
