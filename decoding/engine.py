@@ -87,6 +87,7 @@ class _Request:
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (past min_tokens): EOS and stop_token_ids
     ngrams: NgramIndex = field(default_factory=NgramIndex)  # its tokens so far, filled at its first lookup step
     sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
+    quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
 
     def __post_init__(self) -> None:
         self.sampling = self.params.sampling()
@@ -148,6 +149,9 @@ class LLMEngine:
     def add_request(self, prompt: str | Seq[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
         """Queue a request; with n > 1 it runs as n sequences sharing the id (outputs carry `index`)."""
+        return self._add(prompt, params, request_id, quiet=False)
+
+    def _add(self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None, quiet: bool) -> str:
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -163,7 +167,7 @@ class LLMEngine:
             sub = rid if params.n == 1 else f"{rid}#{index}"
             detok = _detokenizer(self.tokenizer, params)
             request = _Request(Sequence(sub, ids), params, TokenSampler(seed), detok, parent_id=rid, index=index,
-                               stop_ids=stop_ids)
+                               stop_ids=stop_ids, quiet=quiet)
             self.requests[sub] = request
             self.scheduler.add(request.seq)
         return rid
@@ -223,10 +227,11 @@ class LLMEngine:
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams()
                  ) -> list[RequestOutput]:
         """Run to completion; one output per prompt and completion, ordered by (prompt, index). Only the
-        finished outputs are returned, so the text is decoded once per request (output_kind="final")."""
+        finished outputs are returned, so the text is decoded once per request (output_kind="final") and
+        step() builds no output for a request before it finishes."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         params = [replace(p, output_kind="final") for p in params]
-        ids = [(self.add_request(p, sp), sp.n) for p, sp in zip(prompts, params)]
+        ids = [(self._add(p, sp, None, quiet=True), sp.n) for p, sp in zip(prompts, params)]
         final: dict[tuple[str, int], RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
@@ -284,7 +289,9 @@ class LLMEngine:
         outputs = []
         for k in fresh:
             request = ready[k][0]
-            outputs.append(self._output(request, self._append(request, [roots[k]])))
+            emitted = self._append(request, [roots[k]])
+            if not request.quiet or request.seq.is_finished:
+                outputs.append(self._output(request, emitted))
         return outputs
 
     def _first_token(self, request: _Request, raw: torch.Tensor) -> int:
@@ -322,7 +329,8 @@ class LLMEngine:
             emitted = self._append(request, row[1:count + 1])
             if not seq.is_finished:
                 self.blocks.commit(seq, count)
-            outputs.append(self._output(request, emitted))
+            if not request.quiet or seq.is_finished:  # a quiet request is reported once, finished
+                outputs.append(self._output(request, emitted))
         _record(self.totals, tree.spec, counts, sum(from_lookup))  # once for the batch
         self.steps_per_tree[_tree_label(tree.spec)] += 1
         if padded in self.policy.step_cost:  # the measured policy is on: it learns what steps really cost

@@ -229,6 +229,31 @@ def test_final_output_kind_decodes_the_text_once_at_the_end(tiny):
     assert any(o.new_text for o in final["2"][:-1]) and "b" not in final["2"][-1].text
 
 
+def test_generate_builds_one_output_per_completion(tiny):
+    """LLMEngine.generate reads only finished outputs, so step() builds none before a request ends;
+    the results are what the step-by-step loop gives."""
+    model, heads = tiny
+    ps = prompts(3, seed=9)
+    params = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=1), SamplingParams(max_tokens=12, n=2,
+                                                                                          temperature=1.0, seed=3)]
+    engine = LLMEngine(model, heads, EngineConfig(), tokenizer=_Letters())
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        engine.add_request(p, sp, request_id=str(i))
+    looped = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                looped[out.request_id, out.index] = out
+    built = []
+    quiet = LLMEngine(model, heads, EngineConfig(), tokenizer=_Letters())
+    output = quiet._output
+    quiet._output = lambda request, new: built.append(request.seq.is_finished) or output(request, new)
+    outs = quiet.generate(ps, params)
+    assert built == [True] * 4 and len(outs) == 4
+    assert [(o.token_ids, o.text) for o in outs] == [(looped[k].token_ids, looped[k].text)
+                                                    for k in (("0", 0), ("1", 0), ("2", 0), ("2", 1))]
+
+
 def test_every_output_keeps_the_tokens_it_was_made_with(tiny):
     """RequestOutput.token_ids is copied from the sequence only when read: read after the run, every
     output must still hold exactly the tokens emitted up to it, however the sequence grew since."""
