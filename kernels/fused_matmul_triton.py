@@ -97,11 +97,28 @@ def _finish_tile(y_ptr, bias_ptr, ws_ptr, count_ptr, acc, rows, row_ok, cols, co
 
 
 @triton.jit
-def _k_range(split, K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[begin, end) of K that slice `split` reads, in whole BLOCK_K chunks (the last slices may be empty)."""
+def _program_tile(M, N, K, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """This program's output tile and K slice: rows [BLOCK_M], cols [BLOCK_N], their masks, the tile's
+    index, the slice's index and its [begin, end) of K in whole BLOCK_K chunks (the last may be empty).
+
+    Row tiles on axis 0: the programs sharing one W column tile run together and share it in L2;
+    axis 1 is (column tile, K slice), the slices of a tile adjacent.
+    """
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_tile, split = tl.program_id(1) // SPLIT_K, tl.program_id(1) % SPLIT_K
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = tl.program_id(0) * tl.cdiv(N, BLOCK_N) + col_tile
     per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    begin = split * per_split
-    return begin, tl.minimum(begin + per_split, K)
+    k_begin = split * per_split
+    return rows, rows < M, cols, cols < N, tile, split, k_begin, tl.minimum(k_begin + per_split, K)
+
+
+@triton.jit
+def _load_w_t(w_ptr, cols, col_ok, ks, k_ok, stride_w):
+    """The W^T tile [BLOCK_K, BLOCK_N] of W [N, K] (rows strided by stride_w)."""
+    return tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None],
+                   mask=k_ok[:, None] & col_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -109,16 +126,11 @@ def _rms_norm_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, y_ptr, 
                             M, N, K, stride_x, stride_r, stride_w, eps, HAS_RESIDUAL: tl.constexpr,
                             HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # row tiles on axis 0: the programs sharing one W column tile run together and share it in L2;
-    # axis 1 is (column tile, K slice), the slices of a tile adjacent
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_tile, split = tl.program_id(1) // SPLIT_K, tl.program_id(1) % SPLIT_K
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < M, cols < N
+    rows, row_ok, cols, col_ok, tile, split, k_begin, k_end = _program_tile(M, N, K, SPLIT_K, BLOCK_M, BLOCK_N,
+                                                                            BLOCK_K)
     # every slice needs the rows' statistics over all of K; one program writes x + residual
     inv_rms = _inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_x, stride_r, K, eps,
                        tl.program_id(1) == 0, HAS_RESIDUAL, BLOCK_M, BLOCK_K)  # [BLOCK_M]
-    k_begin, k_end = _k_range(split, K, SPLIT_K, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -129,10 +141,7 @@ def _rms_norm_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, y_ptr, 
         normed = (total.to(tl.float32) * inv_rms[:, None]).to(total.dtype).to(tl.float32)
         g = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         a = (g[None, :] * normed).to(total.dtype)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # W^T tile [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    tile = tl.program_id(0) * tl.cdiv(N, BLOCK_N) + col_tile
+        acc = tl.dot(a, _load_w_t(w_ptr, cols, col_ok, ks, k_ok, stride_w), acc, input_precision=PRECISION)
     _finish_tile(y_ptr, bias_ptr, ws_ptr, count_ptr, acc, rows, row_ok, cols, col_ok, N, tile, split,
                  HAS_BIAS, SPLIT_K, BLOCK_M, BLOCK_N)
 
@@ -141,11 +150,8 @@ def _rms_norm_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, y_ptr, 
 def _silu_mul_matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, count_ptr, M, N, I, stride_x, stride_w,
                             HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_tile, split = tl.program_id(1) // SPLIT_K, tl.program_id(1) % SPLIT_K
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < M, cols < N
-    k_begin, k_end = _k_range(split, I, SPLIT_K, BLOCK_K)
+    rows, row_ok, cols, col_ok, tile, split, k_begin, k_end = _program_tile(M, N, I, SPLIT_K, BLOCK_M, BLOCK_N,
+                                                                            BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -156,10 +162,7 @@ def _silu_mul_matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, count_ptr, M,
         g = gate.to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # F.silu rounds to the input dtype
         a = (silu * up).to(gate.dtype)  # [BLOCK_M, BLOCK_K], rounded as silu_and_mul_reference's product
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # W^T tile [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    tile = tl.program_id(0) * tl.cdiv(N, BLOCK_N) + col_tile
+        acc = tl.dot(a, _load_w_t(w_ptr, cols, col_ok, ks, k_ok, stride_w), acc, input_precision=PRECISION)
     _finish_tile(y_ptr, bias_ptr, ws_ptr, count_ptr, acc, rows, row_ok, cols, col_ok, N, tile, split,
                  HAS_BIAS, SPLIT_K, BLOCK_M, BLOCK_N)
 
