@@ -125,8 +125,10 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         eos, config = [], EngineConfig()
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, output_kind=args.output_kind)
     scheduler = SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=4096)
+    # the phase timer synchronises around every phase, so a profiled engine runs without overlap
+    overlap = False if args.profile_steps or args.no_overlap else None
     config = EngineConfig(num_blocks=args.num_blocks, trees=config.trees, scheduler=scheduler,
-                          prompt_lookup=args.prompt_lookup)
+                          prompt_lookup=args.prompt_lookup, overlap=overlap)
     rows = []
     for mode, medusa in (("plain", None), ("medusa", heads)):
         engine = LLMEngine(base, medusa, config, tokenizer, eos)
@@ -178,6 +180,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per level; the median one is reported")
     p.add_argument("--profile-steps", action="store_true",
                    help="run each level a second time with every step phase timed (benchmarks/phases.py)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="EngineConfig.overlap=False: no plain step is launched before the last one is read back")
     p.add_argument("--output-kind", default="delta", choices=("delta", "final"),
                    help="SamplingParams.output_kind: text every step (streaming, the default) or once at the end")
     p.add_argument("--heads", default=None, help="heads folder for the default model (default: the shipped heads)")
@@ -200,6 +204,7 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"device": device_name, "dtype": str(dtype),
                                                    "max_tokens": args.max_tokens, "prompt_lookup": args.prompt_lookup,
                                                    "repeats": args.repeats, "heads": args.heads, "output_kind": args.output_kind,
+                                                   "overlap": not (args.no_overlap or args.profile_steps),
                                                    "rows": rows}, indent=2))
     plot(rows, out / "throughput.png")
     for r in rows:

@@ -178,13 +178,16 @@ class BlockManager:
             return None
         return self._take(seq, num_new_tokens, hits, num_fresh)
 
-    def commit(self, seq: Sequence, num_accepted: int) -> None:
+    def commit(self, seq: Sequence, num_accepted: int, num_known: int | None = None) -> None:
         """Keep `num_accepted` more computed tokens; release blocks the rest needed.
 
         Call after the KV of the accepted tokens sits in slots [computed,
         computed + num_accepted) (the runner compacts accepted tree nodes there)
         and after appending the accepted tokens to the sequence: newly full
-        blocks are keyed by their token ids.
+        blocks are keyed by their token ids. `num_known`: only the first that many
+        tokens are known yet (an overlapped step commits before its root token is
+        back from the device); a block reaching past them is keyed by `key_resolved`
+        once its last token is known.
         """
         _check_count("num_accepted", num_accepted)
         self._check_backed(seq)
@@ -200,9 +203,17 @@ class BlockManager:
         keep = _ceil_div(new, self.block_size)
         while len(seq.block_table) > keep:  # rejected tree slots and unused lookahead
             self._release(seq.block_table.pop())
-        first, last = old // self.block_size, new // self.block_size
+        known = new if num_known is None else min(new, num_known)
+        first, last = old // self.block_size, known // self.block_size
         if self.enable_prefix_caching and first < last:  # most steps fill no block: skip the call and the hashing
             self._register_full_blocks(seq, first, last)
+
+    def key_resolved(self, seq: Sequence, position: int) -> None:
+        """The token at `position` is now known: key its block if that completes a computed block
+        `commit` left unkeyed (see its `num_known`)."""
+        end = position + 1
+        if self.enable_prefix_caching and end % self.block_size == 0 and seq.num_computed_tokens >= end:
+            self._register_full_blocks(seq, position // self.block_size, end // self.block_size)
 
     def free(self, seq: Sequence) -> None:
         """Release all blocks of `seq`; its KV is gone, so num_computed_tokens drops to 0. Idempotent."""

@@ -50,6 +50,19 @@ class RowSampling:
 
 
 @dataclass
+class PendingRows:
+    """A step's packed result [B, D + 3] on its way to the host (see `DecodeStep.finish_to_host`)."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None  # recorded after the copy; None on the CPU, where the copy is done
+
+    def rows(self) -> list[list[int]]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
 class _Part1:
     candidates: torch.Tensor  # [Bp, N]
     hidden: torch.Tensor  # [Bp * N, H]
@@ -104,6 +117,12 @@ class DecodeStep:
         self.propose_step = True  # whether the prepared step runs the heads for the next one
         self.best = torch.zeros(max_seqs, **long)  # [B] deepest accepted node
         self.next = torch.zeros(max_seqs, **long)  # [B] target token there: the next root
+        # an overlapped step's result is copied out while the next step runs: two page-locked buffers, one
+        # per step in flight, and an event for the inputs' host copy, rewritten only once its upload has run
+        self._results = [torch.zeros(max_seqs * (max_tree + 3), dtype=torch.long, pin_memory=self.device.type == "cuda")
+                         for _ in range(2)]
+        self._result_turn = 0
+        self._uploaded: torch.cuda.Event | None = None
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.buckets = batch_buckets(max_seqs)
         self._graphs: dict = {}
@@ -147,6 +166,8 @@ class DecodeStep:
         next step should then not speculate (it would stay correct, but accept little).
         """
         self.propose_step = propose
+        if self._uploaded is not None:  # an overlapped step's upload may still be queued behind the step before
+            self._uploaded.synchronize()
         b, n = len(seqs), tree.num_nodes
         padded = self.bucket(b)
         starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)  # [B]
@@ -171,6 +192,9 @@ class DecodeStep:
             host["lookup"][:b, : tree.num_lookup] = lookup
         upload(self._inputs, self._host_inputs[: self._slots_start + padded * n])  # the six in one copy
         upload(self.tables, tables)
+        if self.device.type == "cuda":
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
         self._prepare_sampling(sampling or [], padded)
         return padded
 
@@ -239,6 +263,19 @@ class DecodeStep:
         graphs = self._graph(tree, padded, self.sampling_step, self.propose_step)
         graphs["g2"].replay()
         return graphs["packed"]
+
+    def finish_to_host(self, tree: DeviceTree, padded: int, rows: int) -> PendingRows:
+        """Part 2, and its first `rows` packed rows queued for the host: the caller may launch the next
+        step before reading them (an overlapped step; at most two in flight, one buffer each)."""
+        packed = self.finish(tree, padded)[:rows]
+        if self.device.type != "cuda":
+            return PendingRows(packed, None)
+        buffer, self._result_turn = self._results[self._result_turn], 1 - self._result_turn
+        host = buffer[: packed.numel()].view(packed.shape)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return PendingRows(host, done)
 
     def override(self, index: list[int], best: list[int], next_tokens: list[int]) -> None:
         """Host-decided verdicts for rows `index` (sampling and friends)."""

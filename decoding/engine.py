@@ -30,7 +30,7 @@ import torch
 
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
-from medusa.decoding.decode_step import RowSampling
+from medusa.decoding.decode_step import PendingRows, RowSampling
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
@@ -60,6 +60,10 @@ class EngineConfig:
     # L > 0: every speculative tree gets a chain of L prompt-lookup nodes (n-gram copies of earlier text);
     # a tree's head nodes past 64 - L are dropped. 0: off
     prompt_lookup: int = 0
+    # Launch a plain decode step before the previous one's tokens are back (they stay on the device as the
+    # next step's roots), so the host's work on one step runs while the device runs the next. None: on
+    # where CUDA graphs run (on the CPU nothing runs ahead of the host: tests turn it on to check the logic)
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -88,9 +92,29 @@ class _Request:
     ngrams: NgramIndex = field(default_factory=NgramIndex)  # its tokens so far, filled at its first lookup step
     sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
     quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
+    # trailing PENDING entries of seq.output_token_ids: tokens of overlapped steps not yet back from the device
+    unresolved: int = 0
 
     def __post_init__(self) -> None:
         self.sampling = self.params.sampling()
+
+
+# Stands in the output list for a token an overlapped step has made but not yet copied back: the sequence's
+# counters (and so the next step's positions and slots) advance at launch; the value comes a step later.
+PENDING = -1
+
+
+@dataclass
+class _InFlight:
+    """An overlapped plain step, launched but not yet read back."""
+
+    requests: list[_Request]
+    tree: DeviceTree
+    padded: int
+    propose: bool
+    result: PendingRows
+    started: float  # perf_counter at launch
+    chained: bool  # launched while the step before it was still in flight
 
 
 def _detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer | FinalDetokenizer | None:
@@ -143,6 +167,9 @@ class LLMEngine:
         self.totals = RequestStats()  # over the engine's life, for /metrics
         self.steps_per_tree: Counter[str] = Counter()  # decode steps per tree label, likewise
         self.policy = TreePolicy()  # filled by warmup() on a GPU
+        self.overlap = self.runner.decode.use_graphs if config.overlap is None else config.overlap
+        self._inflight: _InFlight | None = None
+        self._read_back = 0.0  # perf_counter when the last overlapped step's tokens were read back
 
     # ---- public API ------------------------------------------------------
 
@@ -222,7 +249,7 @@ class LLMEngine:
         return {b: _tree_label(self.policy.choose(b)) for b in buckets}
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams()
                  ) -> list[RequestOutput]:
@@ -248,20 +275,101 @@ class LLMEngine:
             self._release_row(self.requests[seq.request_id])
         prefills = [item for item in plan.scheduled if item.is_prefill]
         decodes = [item.seq for item in plan.scheduled if not item.is_prefill]
+        tree = self._device_tree(plan.tree)
+        overlapped = bool(decodes) and self._can_overlap(decodes, tree)
         outputs = []
+        if self._inflight is not None and not overlapped:  # this step needs every token on the host first
+            outputs += self._read_back_inflight()
+            decodes = [seq for seq in decodes if not seq.is_finished]  # finished by a token just read back
+        ready = []  # (request, row of its last prompt token in hidden): the prompt is now all cached
         if prefills:
             batch = self.runner.prepare_prefill(prefills)
             hidden = self.runner.run(batch)  # [T, H]
-            ready = []  # (request, row of its last prompt token in hidden): the prompt is now all cached
             for item, start in zip(prefills, batch.starts):
                 self.blocks.commit(item.seq, item.num_tokens)
                 if item.seq.num_computed_tokens >= prefill_target(item.seq):
                     ready.append((self.requests[item.seq.request_id], start + item.num_tokens - 1))
-            if ready:
-                outputs += self._start_decoding(ready, hidden)
-        if decodes:
-            outputs += self._decode(decodes, self._device_tree(plan.tree))
+        if overlapped:  # launch, then read the previous step back while the device runs this one
+            launched = self._launch(decodes, tree)
+            if self._inflight is not None:
+                outputs += self._read_back_inflight()
+            self._inflight = launched
+        if ready:
+            outputs += self._start_decoding(ready, hidden)
+        if decodes and not overlapped:
+            outputs += self._decode(decodes, tree)
         return outputs
+
+    # ---- overlapped plain steps ------------------------------------------
+
+    def _can_overlap(self, seqs: list[Sequence], tree: DeviceTree) -> bool:
+        """A plain step whose rows the device decides alone: every row then emits exactly one token, so
+        the next step's positions are known before its tokens are."""
+        return (self.overlap and tree.num_nodes == 1
+                and not any(self._needs_host(self.requests[seq.request_id]) for seq in seqs))
+
+    def _launch(self, seqs: list[Sequence], tree: DeviceTree) -> _InFlight:
+        """Queue a plain step and advance each sequence as if its token were known: the root's KV is
+        committed (blocks it completes are keyed once their tokens are back) and a PENDING token appended."""
+        started = time.perf_counter()
+        step = self.runner.decode
+        requests = [self.requests[seq.request_id] for seq in seqs]
+        sampling = [self._row_sampling(r, tree) for r in requests]
+        propose = self.policy.proposes(step.bucket(len(seqs)), tree.spec)
+        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose)
+        step.forward(tree, padded)
+        result = step.finish_to_host(tree, padded, len(seqs))
+        for request in requests:
+            seq = request.seq
+            self.blocks.commit(seq, 1, num_known=seq.num_tokens - request.unresolved)
+            seq.output_token_ids.append(PENDING)
+            request.unresolved += 1
+        return _InFlight(requests, tree, padded, propose, result, started, self._inflight is not None)
+
+    def _read_back_inflight(self) -> list[RequestOutput]:
+        """The overlapped step's tokens: each replaces its PENDING entry, then stops and outputs as in
+        `_decode`. Rows finished or aborted since the launch are dropped (their token was one too many)."""
+        flight, self._inflight = self._inflight, None
+        rows = flight.result.rows()  # waits for the step
+        outputs, live = [], 0
+        for request, row in zip(flight.requests, rows):
+            seq = request.seq
+            if seq.is_finished or self.requests.get(seq.request_id) is not request:
+                continue
+            live += 1
+            _record_step(request.stats, 0, 0, 1)
+            emitted = self._resolve(request, row[1])
+            if not request.quiet or seq.is_finished:
+                outputs.append(self._output(request, emitted))
+        spec = flight.tree.spec
+        self.policy.observe(spec, live, live)
+        _record(self.totals, spec, [1] * live)
+        self.steps_per_tree[_tree_label(spec)] += 1
+        now = time.perf_counter()
+        # Its cost is the time between two read-backs, which a run of overlapped steps reaches from its
+        # second step on. The first one's host work overlaps nothing: timed, a lone plain step (a revisit)
+        # would charge plain decoding the cost of a step without overlap, and speculation would win too often.
+        if flight.padded in self.policy.step_cost and flight.chained:
+            self.policy.observe_step(flight.padded, spec, now - self._read_back, flight.propose)
+        self._read_back = now
+        return outputs
+
+    def _resolve(self, request: _Request, token: int) -> list[int]:
+        """Put `token` in place of the request's oldest PENDING entry, with `_append`'s stop checks; a stop
+        drops the PENDING entries after it (tokens of steps past the end)."""
+        seq = request.seq
+        index = seq.num_output_tokens - request.unresolved  # the oldest pending entry
+        later = request.unresolved - 1
+        del seq.output_token_ids[index:]
+        request.unresolved = 0
+        emitted = self._append(request, [token])
+        if seq.is_finished:
+            return emitted
+        self.blocks.key_resolved(seq, seq.num_prompt_tokens + index)
+        if later:
+            seq.output_token_ids.extend([PENDING] * later)
+            request.unresolved = later
+        return emitted
 
     def _start_decoding(self, ready: list[tuple[_Request, int]], hidden: torch.Tensor) -> list[RequestOutput]:
         """Sequences whose prompt is now cached get a decode state row, their pending root and the
@@ -443,7 +551,8 @@ class LLMEngine:
             logprobs = request.logprobs[-len(new):] if new else []
         return RequestOutput(request.parent_id, new, delta, finished,
                              seq.finish_reason.value if seq.finish_reason else None,
-                             seq.output_token_ids, seq.num_output_tokens, text, request.stats, request.index, logprobs)
+                             seq.output_token_ids, seq.num_output_tokens - request.unresolved, text, request.stats,
+                             request.index, logprobs)
 
     def _device_tree(self, spec: TreeSpec) -> DeviceTree:
         if spec not in self._device_trees:

@@ -78,7 +78,12 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        """Drop a finished sequence and free its blocks. It may be waiting: an overlapped step's token
+        can finish a sequence that the schedule after it preempted."""
+        try:
+            self.running.remove(seq)
+        except ValueError:
+            self.waiting.remove(seq)
         self.blocks.free(seq)
 
     def has_work(self) -> bool:

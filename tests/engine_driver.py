@@ -34,3 +34,18 @@ def run_staggered(engine, prompts, params, per_step: int = 3) -> dict:
             if out.finished:
                 done[ids[out.request_id]] = out
     return done
+
+
+def force_overlap(request, monkeypatch):
+    """For a fixture parametrized over [False, True]: every LLMEngine built in the test runs with
+    `overlap` set to the parameter, so the CPU checks the overlapped steps' bookkeeping as well."""
+    from medusa.decoding.engine import LLMEngine
+
+    init = LLMEngine.__init__
+
+    def forced(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.overlap = request.param
+
+    monkeypatch.setattr(LLMEngine, "__init__", forced)
+    return request.param

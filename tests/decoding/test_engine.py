@@ -9,10 +9,15 @@ from medusa.decoding.sampler import SamplingConfig
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import SchedulerConfig
 from medusa.tree import TreeSpec
-from engine_driver import random_prompts, run_staggered, single_thread
+from engine_driver import force_overlap, random_prompts, run_staggered, single_thread
 from tiny_models import tiny_decoder
 
 VOCAB = 24
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def overlap(request, monkeypatch):
+    return force_overlap(request, monkeypatch)
 
 
 @pytest.fixture(scope="module")

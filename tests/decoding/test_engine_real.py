@@ -25,9 +25,21 @@ def test_32_staggered_requests_match_batch1_plain_greedy(default_model_dir):
 
     engine = model.engine()
     done = run_staggered(engine, prompts, params, per_step=4)
+    check(done, references)
+    assert sum(d.stats.accepted_tokens for d in done.values()) > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+    # plain steps only, each launched before the last one is read back (EngineConfig.overlap, a GPU's default)
+    engine = model.engine()
+    engine.overlap, plain = True, engine.scheduler.trees[0]
+    engine.scheduler.policy = lambda n: plain
+    done = run_staggered(engine, prompts, params, per_step=4)
+    check(done, references)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def check(done, references):
     for i, ref in enumerate(references):
         assert done[i].token_ids == ref.token_ids, i
         assert done[i].text == ref.text and done[i].finish_reason == ref.finish_reason
     assert any(done[i].finish_reason == "stop" for i in range(0, 32, 4))
-    assert sum(d.stats.accepted_tokens for d in done.values()) > 0
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

@@ -7,11 +7,16 @@ import torch
 from medusa.attention import CausalAttention
 from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
-from engine_driver import random_prompts, single_thread
+from engine_driver import force_overlap, random_prompts, single_thread
 from tiny_models import tiny_decoder
 
 VOCAB = 12  # small, so penalties bite often and the heads' drafts still get accepted
 PENALTIES = [(0.0, 0.7), (0.9, 0.0), (0.4, 0.3), (-0.5, 0.0), (0.0, -0.6), (2.0, 2.0)]  # (presence, frequency)
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def overlap(request, monkeypatch):
+    return force_overlap(request, monkeypatch)
 
 
 @pytest.fixture(scope="module")
