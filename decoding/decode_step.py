@@ -119,8 +119,8 @@ class DecodeStep:
         self.next = torch.zeros(max_seqs, **long)  # [B] target token there: the next root
         # an overlapped step's result is copied out while the next step runs: two page-locked buffers, one
         # per step in flight, and an event for the inputs' host copy, rewritten only once its upload has run
-        self._results = [torch.zeros(max_seqs * (max_tree + 3), dtype=torch.long, pin_memory=self.device.type == "cuda")
-                         for _ in range(2)]
+        pinned = self.device.type == "cuda"
+        self._results = [torch.zeros(max_seqs * (max_tree + 3), dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self._result_turn = 0
         self._uploaded: torch.cuda.Event | None = None
         self.use_graphs = use_graphs and self.device.type == "cuda"

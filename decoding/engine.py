@@ -113,7 +113,6 @@ class _InFlight:
     padded: int
     propose: bool
     result: PendingRows
-    started: float  # perf_counter at launch
     chained: bool  # launched while the step before it was still in flight
 
 
@@ -311,7 +310,6 @@ class LLMEngine:
     def _launch(self, seqs: list[Sequence], tree: DeviceTree) -> _InFlight:
         """Queue a plain step and advance each sequence as if its token were known: the root's KV is
         committed (blocks it completes are keyed once their tokens are back) and a PENDING token appended."""
-        started = time.perf_counter()
         step = self.runner.decode
         requests = [self.requests[seq.request_id] for seq in seqs]
         sampling = [self._row_sampling(r, tree) for r in requests]
@@ -324,7 +322,7 @@ class LLMEngine:
             self.blocks.commit(seq, 1, num_known=seq.num_tokens - request.unresolved)
             seq.output_token_ids.append(PENDING)
             request.unresolved += 1
-        return _InFlight(requests, tree, padded, propose, result, started, self._inflight is not None)
+        return _InFlight(requests, tree, padded, propose, result, self._inflight is not None)
 
     def _read_back_inflight(self) -> list[RequestOutput]:
         """The overlapped step's tokens: each replaces its PENDING entry, then stops and outputs as in
