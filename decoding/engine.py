@@ -204,6 +204,9 @@ class LLMEngine:
         for sub in subs:
             self._release_row(self.requests.pop(sub))
             self.scheduler.abort(sub)
+        flight = self._inflight
+        if flight is not None and not any(self.requests.get(r.seq.request_id) is r for r in flight.requests):
+            self._inflight = None  # nothing left to read back: has_unfinished() must not wait for it
         return bool(subs)
 
     def stats(self) -> EngineStats:

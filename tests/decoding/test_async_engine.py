@@ -24,11 +24,15 @@ def prompts():
     return [torch.randint(24, (n,), generator=g).tolist() for n in (3, 17, 8, 30, 1, 12, 5, 22)]
 
 
-def test_concurrent_streams_equal_sync_and_disconnect_frees_blocks(tiny):
+@pytest.mark.parametrize("overlapped", [False, True], ids=["medusa", "plain-overlapped"])
+def test_concurrent_streams_equal_sync_and_disconnect_frees_blocks(tiny, overlapped):
+    """Served: Medusa trees, or plain steps each launched before the last is read back (a GPU's default),
+    whose disconnecting consumers abort requests with a step in flight."""
     model, heads = tiny
     params = SamplingParams(max_tokens=16)
     expected = LLMEngine(model, heads, EngineConfig(num_blocks=128, block_size=4)).generate(prompts(), params)
-    engine = LLMEngine(model, heads, EngineConfig(num_blocks=128, block_size=4))
+    engine = LLMEngine(model, None if overlapped else heads, EngineConfig(num_blocks=128, block_size=4,
+                                                                          overlap=overlapped))
     served = AsyncLLMEngine(engine)
 
     async def consume(prompt, leave_after=None):
@@ -86,12 +90,15 @@ def test_sync_stream_yields_until_finished(tiny):
     assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids
 
 
-def test_sync_stream_abandoned_early_aborts_its_request(tiny):
+@pytest.mark.parametrize("overlapped", [False, True], ids=["medusa", "plain-overlapped"])
+def test_sync_stream_abandoned_early_aborts_its_request(tiny, overlapped):
     model, heads = tiny
-    engine = LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4))
+    engine = LLMEngine(model, None if overlapped else heads, EngineConfig(num_blocks=64, block_size=4,
+                                                                          overlap=overlapped))
     outputs = stream(engine, [1, 2, 3], SamplingParams(max_tokens=50))
-    first = next(outputs)
-    assert not first.finished
+    first = [next(outputs) for _ in range(3)]
+    assert not first[-1].finished
+    assert (engine._inflight is not None) == overlapped  # the next plain step is already running
     outputs.close()  # the caller stops iterating
     assert not engine.has_unfinished() and engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
