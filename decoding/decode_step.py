@@ -4,12 +4,12 @@ All of it runs on the device from static buffers, in two parts so that rows
 needing host logic (sampling, min_tokens, logprobs) can be decided between
 them:
 
-    part 1  candidates from each row's saved root and head top-k (and the host's
-            prompt-lookup tokens for a tree's lookup chain), one forward
-            of B x N tree tokens over the paged cache, logits, greedy verdict
+    part 1  candidates from each row's saved root and head top-k (and, for a tree's
+            lookup chain, n-gram proposals from the row's token history), one
+            forward of B x N tree tokens over the paged cache, logits, greedy verdict
     (host)  `verifier.verify` for the rows that need it, written into `best`/`next`
-    part 2  emitted tokens, KV of accepted paths moved into place, heads at the
-            accepted node -> each row's next root and top-k saved (a plain step
+    part 2  emitted tokens (appended to the token history), KV of accepted paths moved
+            into place, heads at the accepted node -> each row's next root and top-k saved (a plain step
             that the next step will not speculate from skips the heads: with a
             large vocabulary they cost as much as the rest of part 2)
 
@@ -35,6 +35,7 @@ from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.host_buffers import host_buffer, upload
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.heads import MedusaHeads
+from medusa.kernels.ngram_lookup import ngram_lookup
 from medusa.model import DecoderModel
 
 
@@ -89,22 +90,26 @@ class DecodeStep:
         self.roots = torch.zeros(max_seqs + 1, **long)  # [R + 1] pending root per row (+ padding row)
         k = heads.config.num_heads if heads is not None else 0
         self.topk = torch.zeros(max_seqs + 1, k, kmax, **long)  # [R + 1, K, kmax] heads' top tokens
-        # rows (state row per batch row), base (committed tokens before the step), kv_lens, query_start,
-        # lookup (prompt-lookup tokens per batch row) and slots are views of one buffer that `prepare`
-        # fills from a host copy in one transfer: on a GPU every copy from pageable host memory is a
-        # synchronisation. Rewriting the host copy each step is safe: a step ends with a synchronising
-        # device-to-host copy (the packed result). Slots come last: only their used part is copied.
-        sizes = (max_seqs, max_seqs, max_seqs, max_seqs + 1, max_seqs * max_lookup, max_seqs * max_tree)
+        # rows (state row per batch row), base (committed tokens before the step), kv_lens, query_start
+        # and slots are views of one buffer that `prepare` fills from a host copy in one transfer: on a GPU
+        # every copy from pageable host memory is a synchronisation. Slots come last: only their used part
+        # is copied.
+        sizes = (max_seqs, max_seqs, max_seqs, max_seqs + 1, max_seqs * max_tree)
         self._host_inputs = host_buffer((sum(sizes),), torch.int64, self.device)
-        self._host = dict(zip(("rows", "base", "kv_lens", "query_start", "lookup", "slots"),
+        self._host = dict(zip(("rows", "base", "kv_lens", "query_start", "slots"),
                               np.split(self._host_inputs, np.cumsum(sizes)[:-1])))  # name -> view of the host copy
         self._host["rows"][:] = self.padding_row
         self._host["slots"][:] = scratch_slot
-        self._host["lookup"] = self._host["lookup"].reshape(max_seqs, max_lookup)
         self._slots_start = sum(sizes[:-1])
         self._inputs = torch.from_numpy(self._host_inputs).to(self.device, copy=True)
-        self.rows, self.base, self.kv_lens, self.query_start, lookup, self.slots = self._inputs.split(sizes)
-        self.lookup = lookup.view(max_seqs, max_lookup)  # [B, L] tokens of the trees' lookup chains
+        self.rows, self.base, self.kv_lens, self.query_start, self.slots = self._inputs.split(sizes)
+        # With lookup trees, each state row's tokens so far (prompt + output, the pending root last) live on
+        # the device, appended by every step: lookup proposals need no host tokens. One spare column takes
+        # the writes of tokens a step does not emit.
+        self.max_lookup = max_lookup
+        width = max_blocks_per_seq * cache.block_size + 1 if max_lookup else 1
+        self.history = torch.zeros(max_seqs + 1, width, **long)  # [R + 1, W + 1]
+        self.history_len = torch.zeros(max_seqs + 1, **long)  # [R + 1]
         self.tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=self.device)
         self._host_tables = host_buffer((max_seqs, max_blocks_per_seq), torch.int32, self.device)
         self.causal = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)  # [B] 0: every row is a tree
@@ -144,21 +149,37 @@ class DecodeStep:
         return self.max_seqs - len(self._free_rows)
 
     @torch.inference_mode()
-    def set_states(self, rows: list[int], roots: list[int], last_hidden: torch.Tensor, propose: bool = True) -> None:
+    def set_states(self, rows: list[int], roots: list[int], last_hidden: torch.Tensor, propose: bool = True,
+                   tokens: list[list[int]] | None = None) -> None:
         """Sequences' pending roots and, with `propose`, the heads' top-k at their last tokens (hidden
         [n, H]), in one go. Without it a row keeps its last holder's top-k, as after a plain step that
-        skipped the heads: stale proposals cost acceptance, never correctness."""
+        skipped the heads: stale proposals cost acceptance, never correctness. `tokens`: each sequence's
+        tokens, its root last, for the lookup history (needed when the step has lookup nodes)."""
         at = torch.tensor(rows, device=self.device)
         self.roots[at] = torch.tensor(roots, device=self.device)
+        if self.max_lookup:
+            if tokens is None:
+                raise ValueError("this decode step proposes lookup tokens: set_states needs each row's tokens")
+            self._set_history(at, tokens)
         if propose and self.heads is not None and self.kmax:
             logits = self.heads(last_hidden, self.model.lm_head.weight, roots=self.roots[at])  # [K, n, V]
             self.topk[at] = logits.topk(self.kmax, dim=-1).indices.transpose(0, 1)  # [n, K, kmax]
 
+    def _set_history(self, at: torch.Tensor, tokens: list[list[int]]) -> None:
+        width = self.history.shape[1] - 1
+        longest = max(len(t) for t in tokens)
+        if longest > width:
+            raise ValueError(f"a sequence of {longest} tokens does not fit the lookup history ({width} tokens)")
+        padded = np.zeros((len(tokens), longest), dtype=np.int64)
+        for i, row in enumerate(tokens):
+            padded[i, : len(row)] = row
+        self.history[at, :longest] = torch.from_numpy(padded).to(self.device)
+        self.history_len[at] = torch.tensor([len(t) for t in tokens], device=self.device)
+
     # ---- one step ---------------------------------------------------------
 
     def prepare(self, seqs: list, rows: list[int], tree: DeviceTree, blocks: BlockManager,
-                sampling: list[RowSampling | None] | None = None, propose: bool = True,
-                lookup: np.ndarray | None = None) -> int:
+                sampling: list[RowSampling | None] | None = None, propose: bool = True) -> int:
         """Fill the input buffers for `seqs` (state rows `rows`; `sampling` per row, None = greedy;
         lookup [B, L] the tokens of the tree's L lookup nodes); returns the padded batch size.
 
@@ -185,12 +206,10 @@ class DecodeStep:
         host["query_start"][: padded + 1] = np.minimum(np.arange(padded + 1), b) * n
         host["slots"][: b * n] = blocks.decode_slot_mapping(seqs, n, tables).reshape(-1)
         host["slots"][b * n: padded * n] = self.scratch_slot
-        if tree.num_lookup > self.lookup.shape[1]:
+        if tree.num_lookup > self.max_lookup:
             raise ValueError(f"tree {tree.spec.name!r} has {tree.num_lookup} lookup nodes; this step was built "
-                             f"for at most {self.lookup.shape[1]}")
-        if tree.num_lookup:  # padding rows keep earlier rows' tokens: any token is fine there
-            host["lookup"][:b, : tree.num_lookup] = lookup
-        upload(self._inputs, self._host_inputs[: self._slots_start + padded * n])  # the six in one copy
+                             f"for at most {self.max_lookup}")
+        upload(self._inputs, self._host_inputs[: self._slots_start + padded * n])  # the five in one copy
         upload(self.tables, tables)
         if self.device.type == "cuda":
             self._uploaded = torch.cuda.Event()
@@ -292,7 +311,8 @@ class DecodeStep:
         # the heads' top-k [Bp, K, kmax] only for a tree that has head nodes: for a plain tree the gather
         # would be one more kernel in every captured plain step that a plain engine does not run
         topk = self.topk[rows] if self.kmax and n > 1 else None
-        candidates = build_candidates(tree, self.roots[rows], topk, self.lookup[:padded])
+        lookup = ngram_lookup(self.history, self.history_len, rows, tree.num_lookup) if tree.num_lookup else None
+        candidates = build_candidates(tree, self.roots[rows], topk, lookup)
         # Nodes past the context carry tokens past max_model_len, which the engine cuts (their
         # descendants too), so any position serves them: clamped, RoPE reads inside its table.
         positions = (self.base[:padded, None] + tree.depths[None]).flatten().clamp(max=self.last_position)
@@ -315,6 +335,8 @@ class DecodeStep:
         n = tree.num_nodes
         best, next_tokens, rows = self.best[:padded], self.next[:padded], self.rows[:padded]
         count, tokens = emitted_tokens(tree, part1.candidates, best, next_tokens)
+        if self.max_lookup:
+            self._append_history(rows, count, tokens)
         src, dst = compaction_slots(tree, self.slots[: padded * n].view(padded, n), best)
         self.cache.move_all(src, dst)
         self.roots[rows] = next_tokens
@@ -323,6 +345,17 @@ class DecodeStep:
             head_logits = self.heads(at_best, self.model.lm_head.weight, roots=next_tokens)  # [K, Bp, V]
             self.topk[rows] = head_logits.topk(self.kmax, dim=-1).indices.transpose(0, 1)
         return torch.cat([count[:, None], tokens, best[:, None]], dim=1)  # best: did the lookup chain win
+
+    def _append_history(self, rows: torch.Tensor, count: torch.Tensor, tokens: torch.Tensor) -> None:
+        """history[row] += tokens[:count] for each batch row (count [Bp], tokens [Bp, D + 1]); tokens past
+        count (and padding rows' past the end) go to the spare last column."""
+        spare = self.history.shape[1] - 1
+        lengths = self.history_len[rows]  # [Bp]
+        steps = torch.arange(tokens.shape[1], device=self.device)[None]  # [1, D + 1]
+        columns = torch.where(steps < count[:, None], lengths[:, None] + steps, spare).clamp(max=spare)
+        self.history[rows[:, None], columns] = tokens
+        self.history_len[rows] = (lengths + count).clamp(max=spare)
+        self.history_len[self.padding_row] = 0  # padding rows then scan nothing for their (unused) proposals
 
     # ---- CUDA graphs ------------------------------------------------------
 

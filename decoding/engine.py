@@ -14,7 +14,8 @@ free finished sequences.
 
 With `prompt_lookup=L`, every speculative tree also carries a chain of L nodes
 whose tokens copy what followed the latest earlier occurrence of the sequence's
-last few tokens (`prompt_lookup.py`); the verification, hence the output, is unchanged.
+last few tokens (`prompt_lookup.py`, computed on the device from each row's token history:
+`kernels/ngram_lookup.py`); the verification, hence the output, is unchanged.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
-from medusa.decoding.prompt_lookup import NgramIndex
 from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import Scheduler, SchedulerConfig, prefill_target
@@ -89,7 +89,6 @@ class _Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     stats: RequestStats = field(default_factory=RequestStats)
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (past min_tokens): EOS and stop_token_ids
-    ngrams: NgramIndex = field(default_factory=NgramIndex)  # its tokens so far, filled at its first lookup step
     sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
     quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
     # trailing PENDING entries of seq.output_token_ids: tokens of overlapped steps not yet back from the device
@@ -394,7 +393,11 @@ class LLMEngine:
         # the heads' proposals only where the rows' next steps may speculate: on a 128k vocabulary they
         # are an eager lm_head per admission, which a batch settled on plain decoding would not use
         propose = self.policy.may_speculate(step.bucket(step.rows_in_use))
-        step.set_states([request.row for request, _ in ready], roots, last, propose)
+        tokens = None
+        if step.max_lookup:  # the lookup history: every token so far, the root last (a fresh row's is new)
+            tokens = [(seq := request.seq).token_ids(0, seq.num_tokens) + ([] if seq.output_token_ids else [root])
+                      for (request, _), root in zip(ready, roots)]
+        step.set_states([request.row for request, _ in ready], roots, last, propose, tokens)
         outputs = []
         for k in fresh:
             request = ready[k][0]
@@ -419,8 +422,7 @@ class LLMEngine:
         requests = [self.requests[seq.request_id] for seq in seqs]
         sampling = [self._row_sampling(r, tree) for r in requests]
         propose = self.policy.proposes(step.bucket(len(seqs)), tree.spec)
-        lookup = _lookup_tokens(requests, tree.num_lookup) if tree.num_lookup else None
-        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose, lookup)
+        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose)
         part1 = step.forward(tree, padded)
         self._verify_on_host(requests, tree, part1)
         packed = step.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
@@ -559,17 +561,6 @@ class LLMEngine:
         if spec not in self._device_trees:
             self._device_trees[spec] = DeviceTree.from_spec(spec, self.device)
         return self._device_trees[spec]
-
-
-def _lookup_tokens(requests: list[_Request], length: int) -> np.ndarray:
-    """[B, length] prompt-lookup proposals, each row's n-gram index first given its new tokens (the
-    pending root is the last of them)."""
-    proposals = []
-    for request in requests:
-        index, seq = request.ngrams, request.seq
-        index.extend(seq.token_ids(len(index), seq.num_tokens))
-        proposals.append(index.propose(length))
-    return np.array(proposals, dtype=np.int64)
 
 
 def _with_lookup(trees: list[TreeSpec], length: int) -> list[TreeSpec]:

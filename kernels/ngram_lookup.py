@@ -19,6 +19,17 @@ import torch
 import torch.nn.functional as F
 
 from medusa.decoding.prompt_lookup import NGRAM_SIZES
+from medusa.kernels.dispatch import use_triton
+
+
+def ngram_lookup(history: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
+    """Proposals [B, length] for history rows `rows` [B]: the Triton kernel on a GPU (it reads the rows in
+    place), else the reference on a copy of them."""
+    if use_triton(history):
+        from medusa.kernels.ngram_lookup_triton import ngram_lookup_triton
+
+        return ngram_lookup_triton(history, lengths, length, rows=rows)
+    return ngram_lookup_reference(history[rows], lengths[rows], length)
 
 
 def ngram_lookup_reference(history: torch.Tensor, lengths: torch.Tensor, length: int,

@@ -20,9 +20,10 @@ SCAN_BLOCK = 256
 
 
 @triton.jit
-def _ngram_lookup_kernel(hist_ptr, len_ptr, out_ptr, stride_h, width, length,
+def _ngram_lookup_kernel(hist_ptr, len_ptr, rows_ptr, out_ptr, stride_h, length,
                          BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + i)
     base = hist_ptr + row * stride_h
     n_tok = tl.load(len_ptr + row)
     last1 = tl.load(base + n_tok - 1, mask=n_tok >= 1, other=0)
@@ -31,7 +32,7 @@ def _ngram_lookup_kernel(hist_ptr, len_ptr, out_ptr, stride_h, width, length,
     best1 = tl.full([BLOCK], -1, tl.int64)  # per lane: the latest matching follower position seen
     best2 = tl.full([BLOCK], -1, tl.int64)
     best3 = tl.full([BLOCK], -1, tl.int64)
-    for start in range(0, width, BLOCK):
+    for start in range(0, n_tok, BLOCK):  # the row's own tokens only, however wide the buffer
         p = start + tl.arange(0, BLOCK).to(tl.int64)  # follower positions
         # p in [n, len) for size n (which also means len > n): p's n tokens before it exist
         in_row = p < n_tok
@@ -55,13 +56,13 @@ def _ngram_lookup_kernel(hist_ptr, len_ptr, out_ptr, stride_h, width, length,
     period = tl.where(found, n_tok - best, 1)
     copied = tl.load(base + start_at + j % period, mask=want & found, other=0)
     # last1 is 0 for an empty row (its masked load)
-    tl.store(out_ptr + row * length + j, tl.where(found, copied, last1), mask=want)
+    tl.store(out_ptr + i * length + j, tl.where(found, copied, last1), mask=want)
 
 
 def ngram_lookup_triton(history: torch.Tensor, lengths: torch.Tensor, length: int,
-                        sizes: tuple[int, ...] = NGRAM_SIZES) -> torch.Tensor:
+                        sizes: tuple[int, ...] = NGRAM_SIZES, rows: torch.Tensor | None = None) -> torch.Tensor:
     """history [R, L] long (row r's tokens in [:lengths[r]], lengths <= L), lengths [R] long
-    -> proposals [R, length] long."""
+    -> proposals [B, length] long for history rows `rows` [B] (default: all R, in order)."""
     if tuple(sorted(set(sizes), reverse=True)) != SIZES:
         raise ValueError(f"ngram_lookup_triton implements n-gram sizes {SIZES}, got {tuple(sizes)}")
     if history.dim() != 2 or history.dtype != torch.long or history.stride(1) != 1:
@@ -72,9 +73,14 @@ def ngram_lookup_triton(history: torch.Tensor, lengths: torch.Tensor, length: in
                          f"{tuple(lengths.shape)} {lengths.dtype} on {lengths.device}")
     if length < 1:
         raise ValueError(f"ngram_lookup: length must be >= 1, got {length}")
-    out = torch.empty(history.shape[0], length, dtype=torch.long, device=history.device)
-    if history.shape[0]:
-        _ngram_lookup_kernel[(history.shape[0],)](history, lengths.contiguous(), out, history.stride(0),
-                                                  history.shape[1], length, BLOCK=SCAN_BLOCK,
-                                                  OUT_BLOCK=triton.next_power_of_2(length))
+    if rows is None:
+        rows = torch.arange(history.shape[0], device=history.device)
+    if rows.dim() != 1 or rows.dtype != torch.long or rows.device != history.device:
+        raise ValueError(f"ngram_lookup: rows must be [B] long on {history.device}, got {tuple(rows.shape)} "
+                         f"{rows.dtype} on {rows.device}")
+    out = torch.empty(rows.shape[0], length, dtype=torch.long, device=history.device)
+    if rows.shape[0]:
+        _ngram_lookup_kernel[(rows.shape[0],)](history, lengths.contiguous(), rows.contiguous(), out,
+                                               history.stride(0), length, BLOCK=SCAN_BLOCK,
+                                               OUT_BLOCK=triton.next_power_of_2(length))
     return out

@@ -68,7 +68,41 @@ def test_lookup_off_keeps_the_plain_trees(tiny):
     model, heads = tiny
     engine = make_engine(model, heads, 0)
     assert all(t.lookup == 0 for t in engine.scheduler.trees)
-    assert engine.runner.decode.lookup.shape[1] == 0
+    assert engine.runner.decode.max_lookup == 0 and engine.runner.decode.history.shape[1] == 1
+
+
+def test_device_proposals_equal_the_host_index(tiny, monkeypatch):
+    """Every lookup chain the device fills from its token history is what the host's NgramIndex proposes
+    from the sequence's tokens at that step (the history follows prefill, trees, plain steps, restarts)."""
+    from medusa.decoding import decode_step
+    from medusa.decoding.prompt_lookup import NgramIndex
+
+    model, heads = tiny
+    # a small pool (preemption, so restarts) and a small tree budget (plain steps at the larger batches)
+    engine = LLMEngine(model, heads, EngineConfig(prompt_lookup=5, num_blocks=70, block_size=4,
+                                                  scheduler=SchedulerConfig(max_tree_tokens=64)))
+    preempted = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: (plan := schedule(), preempted.extend(plan.preempted))[0]
+    checked = []
+    original = decode_step.ngram_lookup
+
+    def spy(history, lengths, rows, length):
+        proposals = original(history, lengths, rows, length)
+        by_row = {r.row: r for r in engine.requests.values() if r.row is not None}
+        for row, proposal in zip(rows.tolist(), proposals.tolist()):
+            if row in by_row:
+                tokens = by_row[row].seq.all_token_ids
+                checked.append(proposal == NgramIndex(tokens).propose(length))
+        return proposals
+
+    monkeypatch.setattr(decode_step, "ngram_lookup", spy)
+    ps = mixed_prompts()
+    done = run_staggered(engine, ps, [SamplingParams(max_tokens=30)] * len(ps))
+    assert len(checked) > 30 and all(checked) and preempted
+    assert {name.split("+")[0] for name in engine.stats().steps_per_tree} >= {"single", "tree-4"}
+    for i, p in enumerate(ps):
+        assert done[i].token_ids == plain_greedy(model, p, 30), i
 
 
 def test_host_verified_rows_give_the_same_tokens_with_and_without_lookup(tiny):

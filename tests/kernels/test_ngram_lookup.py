@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("triton")
 
 from medusa.decoding.prompt_lookup import NgramIndex  # noqa: E402
-from medusa.kernels.ngram_lookup import ngram_lookup_reference  # noqa: E402
+from medusa.kernels.ngram_lookup import ngram_lookup, ngram_lookup_reference  # noqa: E402
 from medusa.kernels.ngram_lookup_triton import SCAN_BLOCK, ngram_lookup_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,6 +39,17 @@ def test_triton_kernel_equals_the_reference(seed, rows, width, length):
     history, lengths = histories(g, rows, width, vocab=3)
     history, lengths = history.to(DEVICE), lengths.to(DEVICE)
     assert torch.equal(ngram_lookup_triton(history, lengths, length), ngram_lookup_reference(history, lengths, length))
+
+
+def test_rows_pick_history_rows_in_place():
+    """The engine passes its batch's state rows (padding rows repeat one row): proposals follow them."""
+    g = torch.Generator().manual_seed(4)
+    history, lengths = histories(g, 9, 60, vocab=3)
+    history, lengths = history.to(DEVICE), lengths.to(DEVICE)
+    rows = torch.tensor([8, 5, 5, 0, 7], device=DEVICE)
+    want = ngram_lookup_reference(history, lengths, 5)[rows]
+    assert torch.equal(ngram_lookup_triton(history, lengths, 5, rows=rows), want)
+    assert torch.equal(ngram_lookup(history, lengths, rows, 5), want)
 
 
 def test_a_match_in_a_later_scan_block_wins():
