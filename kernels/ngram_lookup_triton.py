@@ -32,7 +32,8 @@ def _ngram_lookup_kernel(hist_ptr, len_ptr, rows_ptr, out_ptr, stride_h, length,
     best1 = tl.full([BLOCK], -1, tl.int64)  # per lane: the latest matching follower position seen
     best2 = tl.full([BLOCK], -1, tl.int64)
     best3 = tl.full([BLOCK], -1, tl.int64)
-    for start in range(0, n_tok, BLOCK):  # the row's own tokens only, however wide the buffer
+    scan_end = n_tok.to(tl.int32)  # loop bounds of one type (the start is an int32 constant)
+    for start in range(0, scan_end, BLOCK):  # the row's own tokens only, however wide the buffer
         p = start + tl.arange(0, BLOCK).to(tl.int64)  # follower positions
         # p in [n, len) for size n (which also means len > n): p's n tokens before it exist
         in_row = p < n_tok
