@@ -126,8 +126,9 @@ class DecodeStep:
         # per step in flight, and an event for the inputs' host copy, rewritten only once its upload has run
         pinned = self.device.type == "cuda"
         self._results = [torch.zeros(max_seqs * (max_tree + 3), dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._result_done = [torch.cuda.Event() for _ in range(2)] if pinned else []  # recorded after each copy
         self._result_turn = 0
-        self._uploaded: torch.cuda.Event | None = None
+        self._uploaded = torch.cuda.Event() if pinned else None  # recorded after each step's upload
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.buckets = batch_buckets(max_seqs)
         self._graphs: dict = {}
@@ -211,8 +212,7 @@ class DecodeStep:
                              f"for at most {self.max_lookup}")
         upload(self._inputs, self._host_inputs[: self._slots_start + padded * n])  # the five in one copy
         upload(self.tables, tables)
-        if self.device.type == "cuda":
-            self._uploaded = torch.cuda.Event()
+        if self._uploaded is not None:
             self._uploaded.record()
         self._prepare_sampling(sampling or [], padded)
         return padded
@@ -289,12 +289,11 @@ class DecodeStep:
         packed = self.finish(tree, padded)[:rows]
         if self.device.type != "cuda":
             return PendingRows(packed, None)
-        buffer, self._result_turn = self._results[self._result_turn], 1 - self._result_turn
-        host = buffer[: packed.numel()].view(packed.shape)
+        turn, self._result_turn = self._result_turn, 1 - self._result_turn
+        host = self._results[turn][: packed.numel()].view(packed.shape)
         host.copy_(packed, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return PendingRows(host, done)
+        self._result_done[turn].record()
+        return PendingRows(host, self._result_done[turn])
 
     def override(self, index: list[int], best: list[int], next_tokens: list[int]) -> None:
         """Host-decided verdicts for rows `index` (sampling and friends)."""

@@ -167,7 +167,7 @@ class LLMEngine:
         self.policy = TreePolicy()  # filled by warmup() on a GPU
         self.overlap = self.runner.decode.use_graphs if config.overlap is None else config.overlap
         self._inflight: _InFlight | None = None
-        self._read_back = 0.0  # perf_counter when the last overlapped step's tokens were read back
+        self._read_back_time = 0.0  # perf_counter when the last overlapped step's tokens were read back
 
     # ---- public API ------------------------------------------------------
 
@@ -342,16 +342,14 @@ class LLMEngine:
             if not request.quiet or seq.is_finished:
                 outputs.append(self._output(request, emitted))
         spec = flight.tree.spec
-        self.policy.observe(spec, live, live)
-        _record(self.totals, spec, [1] * live)
-        self.steps_per_tree[_tree_label(spec)] += 1
+        self._count_step(spec, [1] * live)
         now = time.perf_counter()
         # Its cost is the time between two read-backs, which a run of overlapped steps reaches from its
         # second step on. The first one's host work overlaps nothing: timed, a lone plain step (a revisit)
         # would charge plain decoding the cost of a step without overlap, and speculation would win too often.
         if flight.padded in self.policy.step_cost and flight.chained:
-            self.policy.observe_step(flight.padded, spec, now - self._read_back, flight.propose)
-        self._read_back = now
+            self.policy.observe_step(flight.padded, spec, now - self._read_back_time, flight.propose)
+        self._read_back_time = now
         return outputs
 
     def _resolve(self, request: _Request, token: int) -> list[int]:
@@ -431,7 +429,6 @@ class LLMEngine:
         first = tree.first_lookup_node
         from_lookup = [count - 1 if row[-1] >= first else 0 for count, row in zip(counts, packed)] \
             if tree.num_lookup else [0] * len(counts)
-        self.policy.observe(tree.spec, sum(counts), len(counts))
         outputs = []
         drafted, depth = tree.num_nodes - 1, tree.spec.max_depth
         for request, row, looked_up in zip(requests, packed, from_lookup):
@@ -442,11 +439,17 @@ class LLMEngine:
                 self.blocks.commit(seq, count)
             if not request.quiet or seq.is_finished:  # a quiet request is reported once, finished
                 outputs.append(self._output(request, emitted))
-        _record(self.totals, tree.spec, counts, sum(from_lookup))  # once for the batch
-        self.steps_per_tree[_tree_label(tree.spec)] += 1
+        self._count_step(tree.spec, counts, sum(from_lookup))
         if padded in self.policy.step_cost:  # the measured policy is on: it learns what steps really cost
             self.policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
         return outputs
+
+    def _count_step(self, spec: TreeSpec, counts: list[int], from_lookup: int = 0) -> None:
+        """A decode step's totals, once for the batch: tokens each row emitted (counts), for the policy's
+        acceptance, the engine's statistics and its steps per tree."""
+        self.policy.observe(spec, sum(counts), len(counts))
+        _record(self.totals, spec, counts, from_lookup)
+        self.steps_per_tree[_tree_label(spec)] += 1
 
     def _verify_on_host(self, requests: list[_Request], tree: DeviceTree, part1) -> None:
         """Verdicts for rows the device rules cannot decide: min_tokens, logprobs, penalties."""
