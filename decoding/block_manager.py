@@ -123,24 +123,6 @@ class BlockManager:
                                    count=sum(lengths))
         return tables
 
-    def decode_slot_mapping(self, seqs: list[Sequence], count: int, tables: np.ndarray) -> np.ndarray:
-        """Physical slots [len(seqs), count] int64 of each sequence's token slots [computed, computed + count).
-
-        Row i equals `slot_mapping(seqs[i], seqs[i].num_computed_tokens, count)`,
-        computed for the whole batch at once from `tables`, the sequences'
-        `block_tables` (rows beyond len(seqs) are ignored).
-        """
-        _check_count("count", count)
-        bs = self.block_size
-        for seq in seqs:
-            if seq.num_computed_tokens + count > len(seq.block_table) * bs:
-                self.slot_mapping(seq, seq.num_computed_tokens, count)  # raises, naming the sequence
-        starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)  # [B]
-        positions = starts[:, None] + np.arange(count)  # [B, count]
-        rows = np.arange(len(seqs))[:, None]  # [B, 1]
-        blocks = tables[rows, positions // bs].astype(np.int64)  # [B, count], int64 before scaling to slots
-        return blocks * bs + positions % bs
-
     # -------------------------------------------------------------- allocation
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
@@ -178,18 +160,18 @@ class BlockManager:
             return None
         return self._take(seq, num_new_tokens, hits, num_fresh)
 
-    def commit(self, seq: Sequence, num_accepted: int, num_known: int | None = None) -> None:
+    def commit(self, seq: Sequence, num_accepted: int, num_ahead: int = 0) -> None:
         """Keep `num_accepted` more computed tokens; release blocks the rest needed.
 
         Call after the KV of the accepted tokens sits in slots [computed,
         computed + num_accepted) (the runner compacts accepted tree nodes there)
         and after appending the accepted tokens to the sequence: newly full
-        blocks are keyed by their token ids. `num_known`: only the first that many
-        tokens are known yet (an overlapped step commits before its root token is
-        back from the device); a block reaching past them is keyed by `key_resolved`
-        once its last token is known.
+        blocks are keyed by their token ids. `num_ahead`: slots past the new end
+        that a step already scheduled will write (its tree tokens; with steps
+        launched before this one's tokens were read back): their blocks stay.
         """
         _check_count("num_accepted", num_accepted)
+        _check_count("num_ahead", num_ahead)
         self._check_backed(seq)
         old = seq.num_computed_tokens
         new = old + num_accepted
@@ -200,20 +182,12 @@ class BlockManager:
             raise ValueError(f"num_accepted={num_accepted} goes past the {seq.num_tokens} known tokens of request "
                              f"{seq.request_id!r}; append the accepted tokens before commit")
         seq.num_computed_tokens = new
-        keep = _ceil_div(new, self.block_size)
+        keep = _ceil_div(new + num_ahead, self.block_size)
         while len(seq.block_table) > keep:  # rejected tree slots and unused lookahead
             self._release(seq.block_table.pop())
-        known = new if num_known is None else min(new, num_known)
-        first, last = old // self.block_size, known // self.block_size
+        first, last = old // self.block_size, new // self.block_size
         if self.enable_prefix_caching and first < last:  # most steps fill no block: skip the call and the hashing
             self._register_full_blocks(seq, first, last)
-
-    def key_resolved(self, seq: Sequence, position: int) -> None:
-        """The token at `position` is now known: key its block if that completes a computed block
-        `commit` left unkeyed (see its `num_known`)."""
-        end = position + 1
-        if self.enable_prefix_caching and end % self.block_size == 0 and seq.num_computed_tokens >= end:
-            self._register_full_blocks(seq, position // self.block_size, end // self.block_size)
 
     def free(self, seq: Sequence) -> None:
         """Release all blocks of `seq`; its KV is gone, so num_computed_tokens drops to 0. Idempotent."""

@@ -4,20 +4,25 @@ All of it runs on the device from static buffers, in two parts so that rows
 needing host logic (sampling, min_tokens, logprobs) can be decided between
 them:
 
-    part 1  candidates from each row's saved root and head top-k (and, for a tree's
+    part 1  each row's tree placed at its committed length (positions, KV slots, lengths),
+            candidates from each row's saved root and head top-k (and, for a tree's
             lookup chain, n-gram proposals from the row's token history), one
             forward of B x N tree tokens over the paged cache, logits, greedy verdict
     (host)  `verifier.verify` for the rows that need it, written into `best`/`next`
     part 2  emitted tokens (appended to the token history), KV of accepted paths moved
-            into place, heads at the accepted node -> each row's next root and top-k saved (a plain step
+            into place, committed lengths advanced, heads at the accepted node -> each row's next root
+            and top-k saved (a plain step
             that the next step will not speculate from skips the heads: with a
             large vocabulary they cost as much as the rest of part 2)
 
 On CUDA each part is captured once per (batch bucket, tree) as a CUDA graph and
 replayed; the only device-to-host copy of a step is the packed [B, D + 3] result.
 On the CPU the same functions run eagerly, so the tests exercise this code.
-Per-sequence state (pending root, head top-k) lives in rows of `roots`/`topk`;
-the engine leases a row to each decoding sequence.
+Per-sequence state (pending root, head top-k, committed length) lives in rows of
+`roots`/`topk`/`row_base`; the engine leases a row to each decoding sequence.
+Because a row's committed length lives on the device, a step can be launched
+before the previous one's accepted lengths are back on the host: the host only
+has to back the worst case with blocks (`Sequence.num_inflight_tokens`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from medusa.decoding.batch_verify import (
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.host_buffers import host_buffer, upload
-from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
+from medusa.decoding.paged_cache import PagedKVCache, StepMetadata, row_slots
 from medusa.heads import MedusaHeads
 from medusa.kernels.ngram_lookup import ngram_lookup
 from medusa.model import DecoderModel
@@ -47,7 +52,7 @@ class RowSampling:
     temperature: float
     top_k: int
     top_p: float
-    uniforms: np.ndarray
+    uniforms: np.ndarray  # [M + D + 1]: from the host's output count on, M the tokens of steps in flight
 
 
 @dataclass
@@ -90,19 +95,21 @@ class DecodeStep:
         self.roots = torch.zeros(max_seqs + 1, **long)  # [R + 1] pending root per row (+ padding row)
         k = heads.config.num_heads if heads is not None else 0
         self.topk = torch.zeros(max_seqs + 1, k, kmax, **long)  # [R + 1, K, kmax] heads' top tokens
-        # rows (state row per batch row), base (committed tokens before the step), kv_lens, query_start
-        # and slots are views of one buffer that `prepare` fills from a host copy in one transfer: on a GPU
-        # every copy from pageable host memory is a synchronisation. Slots come last: only their used part
-        # is copied.
-        sizes = (max_seqs, max_seqs, max_seqs, max_seqs + 1, max_seqs * max_tree)
+        # rows (state row per batch row), known_base (the committed tokens the host knows of) and
+        # query_start are views of one buffer that `prepare` fills from a host copy in one transfer: on a
+        # GPU every copy from pageable host memory is a synchronisation
+        sizes = (max_seqs, max_seqs, max_seqs + 1)
         self._host_inputs = host_buffer((sum(sizes),), torch.int64, self.device)
-        self._host = dict(zip(("rows", "base", "kv_lens", "query_start", "slots"),
+        self._host = dict(zip(("rows", "known_base", "query_start"),
                               np.split(self._host_inputs, np.cumsum(sizes)[:-1])))  # name -> view of the host copy
         self._host["rows"][:] = self.padding_row
-        self._host["slots"][:] = scratch_slot
-        self._slots_start = sum(sizes[:-1])
         self._inputs = torch.from_numpy(self._host_inputs).to(self.device, copy=True)
-        self.rows, self.base, self.kv_lens, self.query_start, self.slots = self._inputs.split(sizes)
+        self.rows, self.known_base, self.query_start = self._inputs.split(sizes)
+        # committed tokens per state row: the truth a step places its tree by, advanced by each step's
+        # part 2 and set at admission; the host's counters may lag it by the steps in flight
+        self.row_base = torch.zeros(max_seqs + 1, **long)  # [R + 1]
+        self.kv_lens = torch.zeros(max_seqs, **long)  # [B] written by part 1
+        self.slots = torch.full((max_seqs * max_tree,), scratch_slot, **long)  # [B * N] written by part 1
         # With lookup trees, each state row's tokens so far (prompt + output, the pending root last) live on
         # the device, appended by every step: lookup proposals need no host tokens. One spare column takes
         # the writes of tokens a step does not emit.
@@ -117,7 +124,8 @@ class DecodeStep:
         self.temperature = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
         self.top_k = torch.zeros(max_seqs, **long)
         self.top_p = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
-        self.uniforms = torch.zeros(max_seqs, max_tree, dtype=torch.float64, device=self.device)  # [B, D + 1 ...]
+        # [B, M + D + 1 ...] from the host's output count on; a row's step picks its window at the device's
+        self.uniforms = torch.zeros(max_seqs, 2 * max_tree, dtype=torch.float64, device=self.device)
         self.sampling_step = False  # whether the prepared step has sampling rows (its own graphs)
         self.propose_step = True  # whether the prepared step runs the heads for the next one
         self.best = torch.zeros(max_seqs, **long)  # [B] deepest accepted node
@@ -150,14 +158,16 @@ class DecodeStep:
         return self.max_seqs - len(self._free_rows)
 
     @torch.inference_mode()
-    def set_states(self, rows: list[int], roots: list[int], last_hidden: torch.Tensor, propose: bool = True,
-                   tokens: list[list[int]] | None = None) -> None:
-        """Sequences' pending roots and, with `propose`, the heads' top-k at their last tokens (hidden
-        [n, H]), in one go. Without it a row keeps its last holder's top-k, as after a plain step that
-        skipped the heads: stale proposals cost acceptance, never correctness. `tokens`: each sequence's
-        tokens, its root last, for the lookup history (needed when the step has lookup nodes)."""
+    def set_states(self, rows: list[int], roots: list[int], bases: list[int], last_hidden: torch.Tensor,
+                   propose: bool = True, tokens: list[list[int]] | None = None) -> None:
+        """Sequences' pending roots, committed token counts (`bases`) and, with `propose`, the heads'
+        top-k at their last tokens (hidden [n, H]), in one go. Without it a row keeps its last holder's
+        top-k, as after a plain step that skipped the heads: stale proposals cost acceptance, never
+        correctness. `tokens`: each sequence's tokens, its root last, for the lookup history (needed
+        when the step has lookup nodes)."""
         at = torch.tensor(rows, device=self.device)
         self.roots[at] = torch.tensor(roots, device=self.device)
+        self.row_base[at] = torch.tensor(bases, device=self.device)
         if self.max_lookup:
             if tokens is None:
                 raise ValueError("this decode step proposes lookup tokens: set_states needs each row's tokens")
@@ -181,8 +191,9 @@ class DecodeStep:
 
     def prepare(self, seqs: list, rows: list[int], tree: DeviceTree, blocks: BlockManager,
                 sampling: list[RowSampling | None] | None = None, propose: bool = True) -> int:
-        """Fill the input buffers for `seqs` (state rows `rows`; `sampling` per row, None = greedy;
-        lookup [B, L] the tokens of the tree's L lookup nodes); returns the padded batch size.
+        """Fill the input buffers for `seqs` (state rows `rows`; `sampling` per row, None = greedy);
+        returns the padded batch size. A sequence's block table must back its committed tokens, the
+        tokens of its steps in flight (`num_inflight_tokens`) and this tree's.
 
         propose=False (for a plain step) skips the heads, leaving each row's top-k stale: the
         next step should then not speculate (it would stay correct, but accept little).
@@ -192,25 +203,21 @@ class DecodeStep:
             self._uploaded.synchronize()
         b, n = len(seqs), tree.num_nodes
         padded = self.bucket(b)
-        starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)  # [B]
+        _check_backed(seqs, n, self.cache.block_size)
         tables = self._host_tables[:padded]
         tables[b:] = 0  # padding rows: block 0, never read (their kv_len is 0)
         tables[:b] = blocks.block_tables(seqs, self.tables.shape[1])
-        # padding rows b..padded: the padding state row, no KV, an empty query, the scratch slot
+        # padding rows b..padded: the padding state row (no KV), an empty query, the scratch slot
         host = self._host
         host["rows"][:b] = rows
         host["rows"][b:padded] = self.padding_row
-        host["base"][:b] = starts
-        host["base"][b:padded] = 0
-        host["kv_lens"][:b] = starts + n
-        host["kv_lens"][b:padded] = 0
+        host["known_base"][:b] = [s.num_computed_tokens for s in seqs]
+        host["known_base"][b:padded] = 0
         host["query_start"][: padded + 1] = np.minimum(np.arange(padded + 1), b) * n
-        host["slots"][: b * n] = blocks.decode_slot_mapping(seqs, n, tables).reshape(-1)
-        host["slots"][b * n: padded * n] = self.scratch_slot
         if tree.num_lookup > self.max_lookup:
             raise ValueError(f"tree {tree.spec.name!r} has {tree.num_lookup} lookup nodes; this step was built "
                              f"for at most {self.max_lookup}")
-        upload(self._inputs, self._host_inputs[: self._slots_start + padded * n])  # the five in one copy
+        upload(self._inputs, self._host_inputs)  # the three in one copy
         upload(self.tables, tables)
         if self._uploaded is not None:
             self._uploaded.record()
@@ -253,10 +260,11 @@ class DecodeStep:
         graphs, times = self._graph(tree, padded, False, propose), []
         n, width = tree.num_nodes, self.tables.shape[1]
         with self._padding_inputs():
-            self.kv_lens[:padded] = min(context, (width - 1) * self.cache.block_size) + n
             self.query_start[: padded + 1] = torch.arange(padded + 1, device=self.device) * n
             self.tables.copy_(torch.arange(self.tables.numel(), device=self.device).view_as(self.tables) % num_blocks)
             for _ in range(repeats + 1):
+                # every padding row at `context` committed tokens (part 2 puts the padding row back at 0)
+                self.row_base[self.padding_row] = min(context, width * self.cache.block_size - n)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 graphs["g1"].replay()
@@ -307,6 +315,7 @@ class DecodeStep:
     def _part1(self, tree: DeviceTree, padded: int, sampling: bool) -> _Part1:
         n = tree.num_nodes
         rows = self.rows[:padded]
+        base = self._place_tree(rows, n)  # [Bp] committed tokens of each row: its tree starts there
         # the heads' top-k [Bp, K, kmax] only for a tree that has head nodes: for a plain tree the gather
         # would be one more kernel in every captured plain step that a plain engine does not run
         topk = self.topk[rows] if self.kmax and n > 1 else None
@@ -314,7 +323,7 @@ class DecodeStep:
         candidates = build_candidates(tree, self.roots[rows], topk, lookup)
         # Nodes past the context carry tokens past max_model_len, which the engine cuts (their
         # descendants too), so any position serves them: clamped, RoPE reads inside its table.
-        positions = (self.base[:padded, None] + tree.depths[None]).flatten().clamp(max=self.last_position)
+        positions = (base[:, None] + tree.depths[None]).flatten().clamp(max=self.last_position)
         meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
                             kv_lens=self.kv_lens[:padded], query_start=self.query_start[: padded + 1],
                             causal=self.causal[:padded], step_bits=tree.bits.repeat(padded), max_query_len=n)
@@ -322,13 +331,27 @@ class DecodeStep:
         logits = self.model.compute_logits(hidden)  # [Bp * N, V]
         targets = logits.argmax(-1).view(padded, n)
         if sampling:  # lossless sampling: each node's target is a draw; acceptance is then the same test
+            # node i draws output number (host's count) + (tokens accepted since) + depth(i)
+            window = (base - self.known_base[:padded])[:, None] + tree.depths[None]  # [Bp, N]
+            uniforms = self.uniforms[:padded].gather(1, window.clamp(max=self.uniforms.shape[1] - 1))
             drawn = sampled_targets(logits.view(padded, n, -1), self.temperature[:padded], self.top_k[:padded],
-                                    self.top_p[:padded], self.uniforms[:padded][:, tree.depths])
+                                    self.top_p[:padded], uniforms)
             targets = torch.where(self.sampled[:padded, None], drawn, targets)
         best = greedy_verdict(tree, candidates, targets)
         self.best[:padded] = best
         self.next[:padded] = targets.gather(1, best[:, None]).squeeze(1)
         return _Part1(candidates, hidden, logits)
+
+    def _place_tree(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """Each row's n tree tokens at slots [base, base + n) of its blocks, base its committed tokens:
+        fills `slots` (padding rows: the scratch slot) and `kv_lens`; returns base [Bp]."""
+        padded = rows.shape[0]
+        base = self.row_base[rows]  # [Bp]
+        slots = row_slots(self.tables[:padded], base, n, self.cache.block_size)  # [Bp, n]
+        padding = (rows == self.padding_row)[:, None]
+        self.slots[: padded * n] = slots.masked_fill(padding, self.scratch_slot).flatten()
+        self.kv_lens[:padded] = base + n
+        return base
 
     def _part2(self, tree: DeviceTree, padded: int, part1: _Part1, propose: bool = True) -> torch.Tensor:
         n = tree.num_nodes
@@ -339,6 +362,10 @@ class DecodeStep:
         src, dst = compaction_slots(tree, self.slots[: padded * n].view(padded, n), best)
         self.cache.move_all(src, dst)
         self.roots[rows] = next_tokens
+        self.row_base[rows] += count  # real rows are distinct; the padding row (repeated) is reset next
+        # zero_() on a view, not `= 0`: assigning a Python number copies it from the host, which a graph
+        # capture refuses
+        self.row_base[self.padding_row].zero_()
         if self.kmax and (propose or tree.num_nodes > 1):
             at_best = part1.hidden.view(padded, n, -1)[torch.arange(padded, device=self.device), best]  # [Bp, H]
             head_logits = self.heads(at_best, self.model.lm_head.weight, roots=next_tokens)  # [K, Bp, V]
@@ -354,7 +381,7 @@ class DecodeStep:
         columns = torch.where(steps < count[:, None], lengths[:, None] + steps, spare).clamp(max=spare)
         self.history[rows[:, None], columns] = tokens
         self.history_len[rows] = (lengths + count).clamp(max=spare)
-        self.history_len[self.padding_row] = 0  # padding rows then scan nothing for their (unused) proposals
+        self.history_len[self.padding_row].zero_()  # padding rows then scan nothing for their (unused) proposals
 
     # ---- CUDA graphs ------------------------------------------------------
 
@@ -385,14 +412,24 @@ class DecodeStep:
     def _padding_inputs(self):
         """Inside: an all-padding batch (no sequence's KV or state row is touched); the prepared
         inputs come back afterwards."""
-        buffers = (self.rows, self.kv_lens, self.query_start, self.slots, self.tables)
+        buffers = (self.rows, self.known_base, self.query_start, self.tables)
         saved = [t.clone() for t in buffers]
         self.rows.fill_(self.padding_row)
-        self.kv_lens.zero_()
+        self.known_base.zero_()
         self.query_start.zero_()
-        self.slots.fill_(self.scratch_slot)
         try:
             yield
         finally:
             for buffer, value in zip(buffers, saved):
                 buffer.copy_(value)
+
+
+def _check_backed(seqs: list, num_nodes: int, block_size: int) -> None:
+    """Each sequence's blocks must reach past its committed tokens, the tokens its steps in flight may add
+    and this step's tree: the device places the tree where those steps leave it."""
+    for seq in seqs:
+        need = seq.num_computed_tokens + seq.num_inflight_tokens + num_nodes
+        if need > len(seq.block_table) * block_size:
+            raise ValueError(f"request {seq.request_id!r} needs {need} slots for this step ({seq.num_computed_tokens}"
+                             f" committed, {seq.num_inflight_tokens} in flight, a {num_nodes}-node tree) but holds "
+                             f"{len(seq.block_table)} blocks of {block_size}; allocate first")

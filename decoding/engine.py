@@ -60,9 +60,10 @@ class EngineConfig:
     # L > 0: every speculative tree gets a chain of L prompt-lookup nodes (n-gram copies of earlier text);
     # a tree's head nodes past 64 - L are dropped. 0: off
     prompt_lookup: int = 0
-    # Launch a plain decode step before the previous one's tokens are back (they stay on the device as the
-    # next step's roots), so the host's work on one step runs while the device runs the next. None: on
-    # where CUDA graphs run (on the CPU nothing runs ahead of the host: tests turn it on to check the logic)
+    # Launch a decode step before the previous one's tokens are back (its roots, committed lengths and
+    # proposals stay on the device for the next step), so the host's work on one step runs while the
+    # device runs the next; plain and speculative trees alike. None: on where CUDA graphs run (on the CPU
+    # nothing runs ahead of the host: tests turn it on to check the logic)
     overlap: bool | None = None
 
     def __post_init__(self) -> None:
@@ -91,21 +92,14 @@ class _Request:
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (past min_tokens): EOS and stop_token_ids
     sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
     quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
-    # trailing PENDING entries of seq.output_token_ids: tokens of overlapped steps not yet back from the device
-    unresolved: int = 0
 
     def __post_init__(self) -> None:
         self.sampling = self.params.sampling()
 
 
-# Stands in the output list for a token an overlapped step has made but not yet copied back: the sequence's
-# counters (and so the next step's positions and slots) advance at launch; the value comes a step later.
-PENDING = -1
-
-
 @dataclass
 class _InFlight:
-    """An overlapped plain step, launched but not yet read back."""
+    """An overlapped decode step, launched but not yet read back."""
 
     requests: list[_Request]
     tree: DeviceTree
@@ -271,16 +265,19 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        outputs = []
+        plan = self.scheduler.schedule(preempt=self._inflight is None)
+        if plan is None:  # blocks are short while a step is in flight: its tokens first, then preemption
+            outputs += self._read_back_inflight()
+            plan = self.scheduler.schedule()
         for seq in plan.preempted:  # its KV is gone; the row is re-leased after recompute
             self._release_row(self.requests[seq.request_id])
         prefills = [item for item in plan.scheduled if item.is_prefill]
         decodes = [item.seq for item in plan.scheduled if not item.is_prefill]
         tree = self._device_tree(plan.tree)
-        overlapped = bool(decodes) and self._can_overlap(decodes, tree)
-        outputs = []
+        overlapped = bool(decodes) and self._can_overlap(decodes)
         if self._inflight is not None and not overlapped:  # this step needs every token on the host first
-            outputs += self._read_back_inflight()
+            outputs += self._read_back_inflight(set(decodes), tree.num_nodes)
             decodes = [seq for seq in decodes if not seq.is_finished]  # finished by a token just read back
         ready = []  # (request, row of its last prompt token in hidden): the prompt is now all cached
         if prefills:
@@ -293,7 +290,7 @@ class LLMEngine:
         if overlapped:  # launch, then read the previous step back while the device runs this one
             launched = self._launch(decodes, tree)
             if self._inflight is not None:
-                outputs += self._read_back_inflight()
+                outputs += self._read_back_inflight(set(decodes), tree.num_nodes)
             self._inflight = launched
         if ready:
             outputs += self._start_decoding(ready, hidden)
@@ -301,17 +298,16 @@ class LLMEngine:
             outputs += self._decode(decodes, tree)
         return outputs
 
-    # ---- overlapped plain steps ------------------------------------------
+    # ---- overlapped steps -------------------------------------------------
 
-    def _can_overlap(self, seqs: list[Sequence], tree: DeviceTree) -> bool:
-        """A plain step whose rows the device decides alone: every row then emits exactly one token, so
-        the next step's positions are known before its tokens are."""
-        return (self.overlap and tree.num_nodes == 1
-                and not any(self._needs_host(self.requests[seq.request_id]) for seq in seqs))
+    def _can_overlap(self, seqs: list[Sequence]) -> bool:
+        """A step whose rows the device decides alone: nothing the host must see first. The device
+        knows each row's committed length, so the next step's tree goes in place before the host does."""
+        return self.overlap and not any(self._needs_host(self.requests[seq.request_id]) for seq in seqs)
 
     def _launch(self, seqs: list[Sequence], tree: DeviceTree) -> _InFlight:
-        """Queue a plain step and advance each sequence as if its token were known: the root's KV is
-        committed (blocks it completes are keyed once their tokens are back) and a PENDING token appended."""
+        """Queue a decode step; until it is read back, each sequence may be up to depth + 1 tokens further
+        along than its counters say (`num_inflight_tokens`), and the scheduler backs that with blocks."""
         step = self.runner.decode
         requests = [self.requests[seq.request_id] for seq in seqs]
         sampling = [self._row_sampling(r, tree) for r in requests]
@@ -319,55 +315,28 @@ class LLMEngine:
         padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose)
         step.forward(tree, padded)
         result = step.finish_to_host(tree, padded, len(seqs))
-        for request in requests:
-            seq = request.seq
-            self.blocks.commit(seq, 1, num_known=seq.num_tokens - request.unresolved)
-            seq.output_token_ids.append(PENDING)
-            request.unresolved += 1
+        most = tree.spec.max_depth + 1
+        for seq in seqs:
+            seq.num_inflight_tokens += most
         return _InFlight(requests, tree, padded, propose, result, self._inflight is not None)
 
-    def _read_back_inflight(self) -> list[RequestOutput]:
-        """The overlapped step's tokens: each replaces its PENDING entry, then stops and outputs as in
-        `_decode`. Rows finished or aborted since the launch are dropped (their token was one too many)."""
+    def _read_back_inflight(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
+        """The overlapped step's tokens, with stops and outputs as in `_decode`. `ahead`: sequences a later
+        step (launched or about to run) writes `ahead_nodes` tree slots for, past this step's tokens."""
         flight, self._inflight = self._inflight, None
         rows = flight.result.rows()  # waits for the step
-        outputs, live = [], 0
-        for request, row in zip(flight.requests, rows):
-            seq = request.seq
-            if seq.is_finished or self.requests.get(seq.request_id) is not request:
-                continue
-            live += 1
-            _record_step(request.stats, 0, 0, 1)
-            emitted = self._resolve(request, row[1])
-            if not request.quiet or seq.is_finished:
-                outputs.append(self._output(request, emitted))
-        spec = flight.tree.spec
-        self._count_step(spec, [1] * live)
+        most = flight.tree.spec.max_depth + 1
+        for request in flight.requests:
+            request.seq.num_inflight_tokens -= most
+        outputs = self._apply_rows(flight.requests, flight.tree, rows, ahead, ahead_nodes)
         now = time.perf_counter()
         # Its cost is the time between two read-backs, which a run of overlapped steps reaches from its
         # second step on. The first one's host work overlaps nothing: timed, a lone plain step (a revisit)
         # would charge plain decoding the cost of a step without overlap, and speculation would win too often.
         if flight.padded in self.policy.step_cost and flight.chained:
-            self.policy.observe_step(flight.padded, spec, now - self._read_back_time, flight.propose)
+            self.policy.observe_step(flight.padded, flight.tree.spec, now - self._read_back_time, flight.propose)
         self._read_back_time = now
         return outputs
-
-    def _resolve(self, request: _Request, token: int) -> list[int]:
-        """Put `token` in place of the request's oldest PENDING entry, with `_append`'s stop checks; a stop
-        drops the PENDING entries after it (tokens of steps past the end)."""
-        seq = request.seq
-        index = seq.num_output_tokens - request.unresolved  # the oldest pending entry
-        later = request.unresolved - 1
-        del seq.output_token_ids[index:]
-        request.unresolved = 0
-        emitted = self._append(request, [token])
-        if seq.is_finished:
-            return emitted
-        self.blocks.key_resolved(seq, seq.num_prompt_tokens + index)
-        if later:
-            seq.output_token_ids.extend([PENDING] * later)
-            request.unresolved = later
-        return emitted
 
     def _start_decoding(self, ready: list[tuple[_Request, int]], hidden: torch.Tensor) -> list[RequestOutput]:
         """Sequences whose prompt is now cached get a decode state row, their pending root and the
@@ -395,7 +364,8 @@ class LLMEngine:
         if step.max_lookup:  # the lookup history: every token so far, the root last (a fresh row's is new)
             tokens = [(seq := request.seq).token_ids(0, seq.num_tokens) + ([] if seq.output_token_ids else [root])
                       for (request, _), root in zip(ready, roots)]
-        step.set_states([request.row for request, _ in ready], roots, last, propose, tokens)
+        bases = [request.seq.num_computed_tokens for request, _ in ready]
+        step.set_states([request.row for request, _ in ready], roots, bases, last, propose, tokens)
         outputs = []
         for k in fresh:
             request = ready[k][0]
@@ -414,7 +384,7 @@ class LLMEngine:
         return int(root)
 
     def _decode(self, seqs: list[Sequence], tree: DeviceTree) -> list[RequestOutput]:
-        """One batched verification step for every decoding sequence."""
+        """One batched verification step for every decoding sequence, read back at once."""
         start = time.perf_counter()
         step = self.runner.decode
         requests = [self.requests[seq.request_id] for seq in seqs]
@@ -424,24 +394,34 @@ class LLMEngine:
         part1 = step.forward(tree, padded)
         self._verify_on_host(requests, tree, part1)
         packed = step.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
-        counts = [row[0] for row in packed]  # tokens each row emits: 1 + accepted drafts
-        # drafts accepted on the lookup chain (row[-1]: the deepest accepted node)
-        first = tree.first_lookup_node
-        from_lookup = [count - 1 if row[-1] >= first else 0 for count, row in zip(counts, packed)] \
-            if tree.num_lookup else [0] * len(counts)
-        outputs = []
-        drafted, depth = tree.num_nodes - 1, tree.spec.max_depth
-        for request, row, looked_up in zip(requests, packed, from_lookup):
-            seq, count = request.seq, row[0]
-            _record_step(request.stats, drafted, depth, count, looked_up)
-            emitted = self._append(request, row[1:count + 1])
-            if not seq.is_finished:
-                self.blocks.commit(seq, count)
-            if not request.quiet or seq.is_finished:  # a quiet request is reported once, finished
-                outputs.append(self._output(request, emitted))
-        self._count_step(tree.spec, counts, sum(from_lookup))
+        outputs = self._apply_rows(requests, tree, packed)
         if padded in self.policy.step_cost:  # the measured policy is on: it learns what steps really cost
             self.policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
+        return outputs
+
+    def _apply_rows(self, requests: list[_Request], tree: DeviceTree, rows: list[list[int]],
+                    ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
+        """A step's packed rows (count, D + 1 tokens, deepest accepted node) -> tokens appended up to the
+        first stop, KV committed, statistics. Sequences finished or aborted since the launch are skipped
+        (the step ran one too many for them; nothing is preempted while a step is in flight).
+        `ahead`: sequences whose next step is already scheduled, with `ahead_nodes` tree slots."""
+        first = tree.first_lookup_node  # drafts came through the lookup chain if the deepest node is on it
+        drafted, depth = tree.num_nodes - 1, tree.spec.max_depth
+        outputs, counts, from_lookup = [], [], 0
+        for request, row in zip(requests, rows):
+            seq, count = request.seq, row[0]
+            if seq.is_finished or self.requests.get(seq.request_id) is not request:
+                continue
+            looked_up = count - 1 if tree.num_lookup and row[-1] >= first else 0
+            _record_step(request.stats, drafted, depth, count, looked_up)
+            counts.append(count)
+            from_lookup += looked_up
+            emitted = self._append(request, row[1:count + 1])
+            if not seq.is_finished:
+                self.blocks.commit(seq, count, ahead_nodes if seq in ahead else 0)
+            if not request.quiet or seq.is_finished:  # a quiet request is reported once, finished
+                outputs.append(self._output(request, emitted))
+        self._count_step(tree.spec, counts, from_lookup)
         return outputs
 
     def _count_step(self, spec: TreeSpec, counts: list[int], from_lookup: int = 0) -> None:
@@ -478,13 +458,14 @@ class LLMEngine:
     def _row_sampling(self, request: _Request, tree: DeviceTree) -> RowSampling | None:
         """Device-side sampling settings for a sampling row the host does not handle; None otherwise.
 
-        Node i's target is output number num_output_tokens + depth(i); its uniform is
-        the one the host sampler would use there (a fresh one per step if unseeded).
+        Node i's target is output number num_output_tokens + (tokens of steps in flight) + depth(i);
+        its uniform is the one the host sampler would use there (a fresh one per step if unseeded).
         """
         sampling = request.sampling
         if sampling.greedy or self._needs_host(request):
             return None
-        depths = tree.spec.max_depth + 1
+        # from the host's output count on: the steps in flight (up to M tokens) come before this one's
+        depths = request.seq.num_inflight_tokens + tree.spec.max_depth + 1
         if request.sampler.seed is None:
             uniforms = np.random.random(depths)
         else:
@@ -557,7 +538,7 @@ class LLMEngine:
             logprobs = request.logprobs[-len(new):] if new else []
         return RequestOutput(request.parent_id, new, delta, finished,
                              seq.finish_reason.value if seq.finish_reason else None,
-                             seq.output_token_ids, seq.num_output_tokens - request.unresolved, text, request.stats,
+                             seq.output_token_ids, seq.num_output_tokens, text, request.stats,
                              request.index, logprobs)
 
     def _device_tree(self, spec: TreeSpec) -> DeviceTree:

@@ -30,7 +30,8 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.cache = PagedKVCache(model.config, num_blocks + 1, blocks.block_size, model.embed_tokens.weight.dtype,
                                   self.device)
-        max_blocks_per_seq = -(-(max_model_len + max_tree) // blocks.block_size)
+        # a step's tree may start past the tokens of a step still in flight (up to a tree's depth + 1 more)
+        max_blocks_per_seq = -(-(max_model_len + 2 * max_tree) // blocks.block_size)
         self.decode = DecodeStep(model, heads, self.cache, num_blocks * blocks.block_size, max_seqs,
                                  max_blocks_per_seq, max_tree, kmax, use_graphs, max_lookup)
         self.prefill = PrefillGraphs(model, self.cache, max_seqs, max_blocks_per_seq, max_prefill_tokens,

@@ -6,6 +6,11 @@ first (they hold users' streams), then unfinished prompt chunks, then new
 requests in arrival order, all under `max_num_batched_tokens` and
 `max_num_seqs`. When blocks run out, the newest running sequence is preempted:
 its blocks are freed and it re-enters the queue to be recomputed later.
+
+A decoding sequence whose last step is still running on the device (launched
+before its tokens were read back) gets blocks for the tokens that step may
+still add as well (`Sequence.num_inflight_tokens`): the device places the new
+tree after them.
 """
 
 from __future__ import annotations
@@ -78,12 +83,8 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence) -> None:
-        """Drop a finished sequence and free its blocks. It may be waiting: an overlapped step's token
-        can finish a sequence that the schedule after it preempted."""
-        try:
-            self.running.remove(seq)
-        except ValueError:
-            self.waiting.remove(seq)
+        """Drop a finished sequence and free its blocks."""
+        self.running.remove(seq)
         self.blocks.free(seq)
 
     def has_work(self) -> bool:
@@ -104,11 +105,15 @@ class Scheduler:
         fitting = [t for t in self.trees if t.num_nodes * num_decoding <= limit]
         return fitting[-1] if fitting else self.trees[0]
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, preempt: bool = True) -> SchedulerOutput | None:
+        """This step's plan. preempt=False (a step is in flight): None, rather than preempting, when the
+        blocks run short; the caller reads the step back and schedules again. Blocks allocated before
+        that stay with their sequences (the next commit releases what they do not need)."""
         budget = self.config.max_num_batched_tokens
         targets = [prefill_target(s) for s in self.running]  # computed per sequence once, used twice
-        num_decoding = sum(s.num_computed_tokens >= t for s, t in zip(self.running, targets))
-        tree = self.tree_for(num_decoding)
+        ends = [s.num_computed_tokens + s.num_inflight_tokens for s, t in zip(self.running, targets)
+                if s.num_computed_tokens >= t]  # decoding sequences' slots in use before their trees
+        tree = self._fitting(self.tree_for(len(ends)), max(ends, default=0))
         num_nodes = tree.num_nodes
         scheduled, preempted = [], []
         for seq, target in zip(list(self.running), targets):
@@ -118,15 +123,28 @@ class Scheduler:
             need = min(target - seq.num_computed_tokens, budget) if is_prefill else num_nodes
             if need <= 0 or need > budget:
                 continue
-            lookahead = 0 if is_prefill else need - 1
+            lookahead = 0 if is_prefill else need - 1 + seq.num_inflight_tokens
             count = 1 if not is_prefill else need
-            if not self._allocate_making_room(seq, count, lookahead, preempted):
+            if not preempt:
+                if self.blocks.try_allocate(seq, count, lookahead) is None:
+                    return None
+            elif not self._allocate_making_room(seq, count, lookahead, preempted):
                 break
             scheduled.append(ScheduledSeq(seq, need, is_prefill))
             budget -= need
         if not preempted:  # memory is short: admitting now would only thrash
             self._admit(scheduled, budget)
         return SchedulerOutput(scheduled, tree, preempted)
+
+    def _fitting(self, tree: TreeSpec, longest: int) -> TreeSpec:
+        """`tree`, or the largest smaller one that the whole pool can back for the longest decoding
+        sequence (`longest` slots before its tree): otherwise preemption would free every other
+        sequence, then that one, and it would never run again. The single node always fits."""
+        blocks, size = self.blocks.num_blocks, self.blocks.block_size
+        if -(-(longest + tree.num_nodes) // size) <= blocks:
+            return tree
+        fits = [t for t in self.trees if t.num_nodes <= tree.num_nodes and -(-(longest + t.num_nodes) // size) <= blocks]
+        return fits[-1] if fits else self.trees[0]
 
     def _allocate_making_room(self, seq: Sequence, count: int, lookahead: int, preempted: list[Sequence]) -> bool:
         """Allocate for `seq`, preempting the newest running sequences until it fits; False if `seq` itself went."""

@@ -47,6 +47,9 @@ class Sequence:
         reported to clients as cached prompt tokens. Kept after `free` as a stat.
     block_table: physical block ids; logical block i holds token slots
         [i * block_size, (i + 1) * block_size).
+    num_inflight_tokens: the most tokens that decode steps launched but not yet read back may
+        add (their trees' depths + 1). The device already places the next tree past them, so the
+        blocks must back them; the counters and token lists above lag them until the read-back.
     """
 
     request_id: str
@@ -55,6 +58,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_prefix_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    num_inflight_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from medusa.decoding.block_manager import BlockManager
+from medusa.decoding.paged_cache import row_slots
 from medusa.decoding.sequence import FinishReason, Sequence, SequenceStatus
 
 BS = 16
@@ -73,7 +75,7 @@ def test_slot_mapping_matches_hand_computation():
         bm.slot_mapping(seq, -1, 1)
 
 
-def test_batched_tables_and_decode_slots_match_per_sequence():
+def test_batched_tables_and_device_slots_match_per_sequence():
     bm = BlockManager(num_blocks=16, block_size=4)
     a, b, c = Sequence("a", list(range(12))), Sequence("b", list(range(5))), Sequence("c", [1])
     a.block_table, b.block_table, c.block_table = [7, 2, 5], [9, 3], [11]
@@ -81,14 +83,46 @@ def test_batched_tables_and_decode_slots_match_per_sequence():
     tables = bm.block_tables([a, b, c], width=4)
     assert tables.dtype == np.int32 and tables.tolist() == [[7, 2, 5, 0], [9, 3, 0, 0], [11, 0, 0, 0]]
     assert bm.block_tables([a, b]).shape == (2, 3) and bm.block_tables([]).shape == (0, 0)
-    slots = bm.decode_slot_mapping([a, b, c], 3, tables)
-    assert slots.dtype == np.int64
+    # the decode step computes its slots on the device from the tables and each row's committed length
+    starts = torch.tensor([s.num_computed_tokens for s in (a, b, c)])
+    slots = row_slots(torch.from_numpy(tables), starts, 3, 4)
+    assert slots.dtype == torch.long
     assert slots.tolist() == [bm.slot_mapping(s, s.num_computed_tokens, 3).tolist() for s in (a, b, c)]
-    assert bm.decode_slot_mapping([], 3, tables).shape == (0, 3)
-    with pytest.raises(ValueError, match="'b'.*allocate first"):
-        bm.decode_slot_mapping([a, b], 5, tables)  # b has slots [4, 8) only
     with pytest.raises(ValueError, match="'a' holds 3 blocks"):
         bm.block_tables([a, b], width=2)
+
+
+def test_device_slots_match_slot_mapping_on_random_tables():
+    g = torch.Generator().manual_seed(3)
+    for block_size in (1, 4, 16):
+        bm = BlockManager(num_blocks=64, block_size=block_size)
+        seqs = [Sequence(str(i), [1]) for i in range(6)]
+        count, least = 5, -(-6 // block_size)  # at least count + 1 slots per sequence
+        for seq in seqs:
+            held = int(torch.randint(least, least + 7, (1,), generator=g))
+            seq.block_table = torch.randperm(64, generator=g)[:held].tolist()
+        starts = [int(torch.randint(0, len(s.block_table) * block_size - count + 1, (1,), generator=g)) for s in seqs]
+        tables = torch.from_numpy(bm.block_tables(seqs, width=least + 7))
+        slots = row_slots(tables, torch.tensor(starts), count, block_size)
+        assert slots.tolist() == [bm.slot_mapping(s, st, count).tolist() for s, st in zip(seqs, starts)]
+
+
+def test_commit_keeps_the_blocks_a_scheduled_step_writes():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    seq = Sequence("a", list(range(6)))
+    bm.allocate(seq, 6)
+    seq.num_computed_tokens = 5  # decoding: the last token is the pending root
+    bm.allocate(seq, 1, num_lookahead=15)  # a 16-node tree: slots [5, 21), six blocks
+    assert len(seq.block_table) == 6
+    seq.append_tokens([7, 8])
+    bm.commit(seq, 2, num_ahead=8)  # 7 computed, the next step's 8-node tree at [7, 15): four blocks stay
+    assert seq.num_computed_tokens == 7 and len(seq.block_table) == 4
+    bm.commit(seq, 0)
+    assert len(seq.block_table) == 2
+    with pytest.raises(ValueError, match="num_ahead must be an integer >= 0"):
+        bm.commit(seq, 0, num_ahead=-1)
+    bm.free(seq)
+    bm.check_invariants([])
 
 
 def test_counts_accept_numpy_integers_and_reject_bools():

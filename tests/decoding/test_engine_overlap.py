@@ -1,12 +1,13 @@
-"""Overlapped plain steps (EngineConfig.overlap): a plain step is launched before the previous one's tokens
-are read back. On the CPU nothing actually runs ahead, but the bookkeeping is the same as on a GPU: PENDING
-tokens, commits at launch, blocks keyed once their tokens are known, rows finished or aborted in flight."""
+"""Overlapped steps (EngineConfig.overlap): a decode step, plain or speculative, is launched before the
+previous one's tokens are read back; the device places its tree after the tokens still in flight. On the CPU
+nothing actually runs ahead, but the bookkeeping is the same as on a GPU: the host a step behind, blocks
+backing the in-flight tokens, commits at read-back, rows finished or aborted in flight."""
 
 import itertools
 
 import pytest
 
-from medusa.decoding.engine import PENDING, EngineConfig, LLMEngine
+from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import SchedulerConfig
 from medusa.tree import TreeSpec
@@ -27,71 +28,83 @@ def engine_for(model, heads, overlap, num_blocks=256, block_size=4, alternate=Fa
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, overlap=overlap,
                           enable_prefix_caching=caching, scheduler=SchedulerConfig(**sched))
     engine = LLMEngine(model, heads, config)
-    if alternate:  # plain steps with a speculative one every third step: overlap starts and stops
+    if alternate:  # two plain steps, then a speculative one, its tree growing: tree sizes change mid-flight
         plain = TreeSpec.load("single")
-        tree = next(t for t in engine.scheduler.trees if t.num_nodes > 1)
+        trees = [t for t in engine.scheduler.trees if t.num_nodes > 1]
         turns = itertools.count()
-        engine.scheduler.policy = lambda n: tree if next(turns) % 3 == 2 else plain
+        engine.scheduler.policy = lambda n: trees[(k // 3) % len(trees)] if (k := next(turns)) % 3 == 2 else plain
     return engine
 
 
 def count_launches(engine):
+    """-> a list that gets each launched step's tree size"""
     launched = []
     launch = engine._launch
-    engine._launch = lambda seqs, tree: launched.append(len(seqs)) or launch(seqs, tree)
+    engine._launch = lambda seqs, tree: launched.append(tree.num_nodes) or launch(seqs, tree)
     return launched
 
 
-@pytest.mark.parametrize("heads_on", [False, True], ids=["plain", "alternating-trees"])
-def test_overlapped_steps_equal_batch1_greedy_and_free_everything(tiny, heads_on):
+@pytest.mark.parametrize("mode", ["plain", "alternating-trees", "speculative"])
+def test_overlapped_steps_equal_batch1_greedy_and_free_everything(tiny, mode):
     model, heads = tiny
     ps = random_prompts(10, VOCAB, 30, seed=1)
     max_tokens = [3 + 5 * (i % 5) for i in range(10)]
-    engine = engine_for(model, heads if heads_on else None, True, alternate=heads_on)
+    engine = engine_for(model, None if mode == "plain" else heads, True, alternate=mode == "alternating-trees")
     launched = count_launches(engine)
-    seen = []
     done = run_staggered(engine, ps, [SamplingParams(max_tokens=m) for m in max_tokens])
-    assert len(launched) > 10  # the plain steps did overlap
+    assert len(launched) > 10  # the steps did overlap
+    assert (max(launched) > 1) == (mode != "plain") and (min(launched) == 1) == (mode != "speculative")
     for i, p in enumerate(ps):
         assert done[i].token_ids == batch1(model, p, max_tokens[i]), i
         assert done[i].finish_reason == "length"
-        seen += done[i].token_ids
-    assert PENDING not in seen
     assert engine._inflight is None and not engine.has_unfinished()
     assert engine.blocks.num_free_blocks == 256 and not engine.blocks.ref_counts.any()
     engine.blocks.check_invariants()
 
 
-def test_a_step_stays_in_flight_until_the_next_one_launches(tiny):
-    model, _ = tiny
-    engine = engine_for(model, None, True)
-    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=6))
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "tree"])
+def test_a_step_stays_in_flight_until_the_next_one_launches(tiny, speculative):
+    """The host is a step behind: its counters and tokens stop at the last step read back, and the blocks
+    back the in-flight step's most tokens too, since the next tree already sits past them on the device."""
+    model, heads = tiny
+    engine = engine_for(model, heads if speculative else None, True, block_size=2)
+    tree = max(engine.scheduler.trees, key=lambda t: t.num_nodes)
+    engine.scheduler.policy = lambda n: tree
+    most = tree.max_depth + 1
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
     first = engine.step()  # prefill: the first token
-    assert [o.new_token_ids for o in first] == [batch1(model, [1, 2, 3], 1)]
-    assert engine.step() == []  # the first plain step is launched and left running
-    assert engine._inflight is not None
+    expected = batch1(model, [1, 2, 3], 40)
+    assert [o.new_token_ids for o in first] == [expected[:1]]
+    assert engine.step() == []  # the first decode step is launched and left running
     seq = engine.requests[rid].seq
-    assert seq.output_token_ids[-1] == PENDING and engine.requests[rid].unresolved == 1
-    outs = engine.step()  # launches the next step, then reads the first one back
-    assert len(outs) == 1 and outs[0].new_token_ids == batch1(model, [1, 2, 3], 2)[1:]
-    assert outs[0].token_ids == batch1(model, [1, 2, 3], 2) and engine.requests[rid].unresolved == 1
+    assert engine._inflight is not None and seq.num_inflight_tokens == most
+    assert seq.output_token_ids == expected[:1] and seq.num_computed_tokens == 3
+    outs = engine.step()  # schedules and launches the next step, then reads the first one back
+    got = outs[0].new_token_ids
+    assert len(outs) == 1 and 1 <= len(got) <= most and outs[0].token_ids == expected[: 1 + len(got)]
+    assert seq.num_inflight_tokens == most and seq.num_computed_tokens == 3 + len(got)
+    # the next step's tree, placed after the tokens just read back, still has its blocks
+    assert len(seq.block_table) * 2 >= seq.num_computed_tokens + tree.num_nodes
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_token_ids == expected and seq.num_inflight_tokens == 0
 
 
-def test_overlap_keys_the_same_prefix_blocks_as_synchronous_steps(tiny):
-    """A block completed by an overlapped step is keyed when its last token comes back: the prefix
-    cache ends up holding the blocks it holds without overlap, under the same keys. At most one more per
-    request: the step launched past a request's last token writes (and keys) its final root's KV, which a
-    synchronous run never computes."""
-    model, _ = tiny
+@pytest.mark.parametrize("heads_on", [False, True], ids=["plain", "alternating-trees"])
+def test_overlap_keys_the_same_prefix_blocks_as_synchronous_steps(tiny, heads_on):
+    """A block completed by an overlapped step is keyed when its tokens are read back: the prefix cache
+    ends up holding the blocks it holds without overlap, under the same keys (a step launched past a
+    request's end is never committed)."""
+    model, heads = tiny
     ps = random_prompts(6, VOCAB, 30, seed=2)
     params = [SamplingParams(max_tokens=9 + 4 * i) for i in range(6)]
     caches = []
     for overlap in (False, True):
-        engine = engine_for(model, None, overlap)
+        engine = engine_for(model, heads if heads_on else None, overlap, alternate=heads_on)
         run_staggered(engine, ps, params, per_step=2)
         caches.append(set(engine.blocks._cached))
         engine.blocks.check_invariants()
-    assert caches[0] <= caches[1] and len(caches[1] - caches[0]) <= len(ps) and len(caches[0]) > 10
+    assert caches[0] == caches[1] and len(caches[0]) > 10
     # and a later request sharing a finished one's text reuses its blocks
     engine = engine_for(model, None, True)
     first = engine.generate([ps[0]], SamplingParams(max_tokens=20))[0]
@@ -117,27 +130,36 @@ def test_stops_seen_a_step_late_cut_the_output_where_they_happen(tiny):
     assert [o.token_ids for o in held] == [o.token_ids for o in synchronous]
 
 
-def test_preemption_and_aborts_with_steps_in_flight(tiny):
-    model, _ = tiny
+@pytest.mark.parametrize("heads_on", [False, True], ids=["plain", "trees"])
+def test_short_blocks_read_the_step_back_before_preempting(tiny, heads_on):
+    """When the pool cannot back the in-flight tokens, the engine reads the step back and schedules again,
+    preempting only then: no sequence loses its KV while a step still writes it."""
+    model, heads = tiny
     ps = random_prompts(8, VOCAB, 30, seed=7)
-    engine = engine_for(model, None, True, num_blocks=16, caching=False, max_num_batched_tokens=128)
-    finished_waiting = []
-    finish = engine.scheduler.finish
+    engine = engine_for(model, heads if heads_on else None, True, num_blocks=24, caching=False,
+                        max_num_batched_tokens=128)
+    refused, preempted = [], []
+    schedule = engine.scheduler.schedule
 
-    def spy(seq):
-        finished_waiting.append(seq in engine.scheduler.waiting)
-        finish(seq)
+    def spy(preempt=True):
+        plan = schedule(preempt=preempt)
+        refused.append(plan is None)
+        if plan is not None and plan.preempted:
+            preempted.append(engine._inflight is None)
+        return plan
 
-    engine.scheduler.finish = spy
+    engine.scheduler.schedule = spy
     done = run_staggered(engine, ps, [SamplingParams(max_tokens=24)] * 8)
-    # one sequence was preempted by the schedule after its last step had launched, and that step's token
-    # (read back afterwards) finished it while it waited for recompute
-    assert any(finished_waiting)
+    assert any(refused) and preempted and all(preempted)
     for i, p in enumerate(ps):
         assert done[i].token_ids == batch1(model, p, 24), i
-    assert engine.blocks.num_free_blocks == 16 and not engine.blocks.ref_counts.any()
+    assert engine.blocks.num_free_blocks == 24 and not engine.blocks.ref_counts.any()
     assert not engine.scheduler.waiting and not engine.scheduler.running
 
+
+def test_aborts_with_steps_in_flight(tiny):
+    model, _ = tiny
+    ps = random_prompts(8, VOCAB, 30, seed=7)
     engine = engine_for(model, None, True)
     ids = [engine.add_request(p, SamplingParams(max_tokens=30)) for p in ps[:4]]
     for _ in range(4):
@@ -160,6 +182,7 @@ def test_seeded_sampling_and_host_rows_are_unchanged_by_overlap(tiny):
     params = [SamplingParams(max_tokens=12, temperature=1.0, seed=4), SamplingParams(max_tokens=12, logprobs=1),
               SamplingParams(max_tokens=12, presence_penalty=0.5), SamplingParams(max_tokens=12),
               SamplingParams(max_tokens=12, temperature=0.8, top_k=5, seed=9)]
-    runs = [engine_for(model, h, o).generate(ps, params) for h in (None, heads) for o in (False, True)]
+    runs = [engine_for(model, h, o, alternate=a).generate(ps, params)
+            for h, a in ((None, False), (heads, False), (heads, True)) for o in (False, True)]
     tokens = [[o.token_ids for o in run] for run in runs]
-    assert tokens[0] == tokens[1] and tokens[2] == tokens[3]
+    assert tokens[0] == tokens[1] and tokens[2] == tokens[3] and tokens[4] == tokens[5]

@@ -89,3 +89,33 @@ def test_tree_never_exceeds_the_token_budget():
     mock_step(s, s.schedule())
     plan = s.schedule()
     assert [(i.seq.request_id, i.is_prefill) for i in plan.scheduled] == [("a", False)]
+
+
+def test_a_tree_too_big_for_the_pool_shrinks_instead_of_preempting_forever():
+    """A lone sequence near the pool's end: a 64-node tree cannot be backed even with every other sequence
+    preempted, so the step runs the largest tree that fits (it used to preempt itself every step)."""
+    s = make(max_tokens=512, blocks=6)  # 96 slots
+    seq = Sequence("r", list(range(20)))
+    s.add(seq)
+    mock_step(s, s.schedule())
+    for expected in (64, 8, 8):  # 20 computed: 20 + 64 <= 96; 40 after the first step: 40 + 64 > 96
+        plan = s.schedule()
+        assert plan.tree.num_nodes == expected and not plan.preempted
+        assert [(i.seq, i.num_tokens) for i in plan.scheduled] == [(seq, expected)]
+        mock_step(s, plan, accept=20 if expected == 64 else 1)
+
+
+def test_in_flight_tokens_get_blocks_and_short_blocks_refuse_rather_than_preempt():
+    s = make(max_tokens=512, tree_tokens=8, blocks=5)  # 80 slots
+    a, b = Sequence("a", list(range(30))), Sequence("b", list(range(30)))
+    s.add(a)
+    s.add(b)
+    mock_step(s, s.schedule())  # both prompts: 31 tokens each, 30 computed, two blocks each
+    a.num_inflight_tokens = 4  # a launched step may still add four tokens: its tree goes after them
+    plan = s.schedule(preempt=False)
+    assert plan.tree.num_nodes == 1 and len(a.block_table) * 16 >= 30 + 4 + 1
+    b.num_inflight_tokens = 40
+    assert s.schedule(preempt=False) is None  # b's worst case needs more than the free block
+    assert s.running == [a, b] and not s.waiting  # nothing was preempted
+    b.num_inflight_tokens = 0
+    assert not s.schedule().preempted
