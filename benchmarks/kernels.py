@@ -3,7 +3,6 @@
     python benchmarks/kernels.py --out out/kernels                 # GPU, full size
     python benchmarks/kernels.py --quick --out out/kernels-quick   # CPU smoke run (CI)
     python benchmarks/kernels.py --launch-sweep --skip-steps --out out/sweep   # GPU: attention launch settings
-    python benchmarks/kernels.py --fused-matmul --skip-attention --skip-steps --out out/fused   # GPU
 
 1. Tree attention over paged KV (batch 32, 64 tree tokens, 8 KV heads of 128,
    32 query heads by default) at growing contexts: achieved KV read bandwidth,
@@ -13,12 +12,6 @@
    On a GPU the forward is captured as a CUDA graph, as the engine runs it.
 3. With --launch-sweep (GPU only): the attention of 1. at 512 and 4096 keys under
    num_warps 4 / 8 and num_stages 1-4, the data behind `_launch_config`.
-4. With --fused-matmul (GPU only): norm -> QKV, norm -> gate_up and SiLU-and-mul ->
-   down at the 135M / 1B / 8B shapes for 1, 8 and 64 rows, as two kernels (Triton
-   norm or SiLU + cuBLAS) and as one (`fused_matmul_triton.py`), in microseconds per
-   call inside a CUDA graph; with --fused-sweep also the fused kernels at 1 and 8 rows
-   under other BLOCK_N / BLOCK_K / SPLIT_K / num_stages, the data behind their `_launch_config`.
-   `MEDUSA_FUSED_MATMUL=1` with 2. (and --kernel-profile) measures the whole step.
 Writes results.json and, with matplotlib, kernels.png.
 """
 
@@ -30,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from medusa.config import ModelConfig
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
@@ -115,64 +107,6 @@ def launch_sweep(args, device, dtype) -> list[dict]:
                 rows.append({"context": context, **launch, "seconds": seconds, "kv_gb_s": kv_bytes / seconds / 1e9})
                 print(rows[-1], flush=True)
     return rows
-
-
-def fused_matmul_curve(args, device, dtype) -> list[dict]:
-    """Each (shape, op, rows): unfused and fused microseconds per call, and the weight-read floor."""
-    rows = []
-    for shape in ("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"):
-        hidden, inter, _, heads, kv_heads, _ = SHAPES[shape]
-        qkv = hidden + 2 * kv_heads * (hidden // heads)
-        for m in (1, 8, 64):
-            for op, n, k in (("norm_qkv", qkv, hidden), ("norm_gate_up", 2 * inter, hidden), ("silu_down", hidden, inter)):
-                unfused, fused = _fused_pair(op, m, n, k, dtype, device)
-                weights = _weights(n, k, dtype, device)
-                row = {"shape": shape, "op": op, "m": m, "n": n, "k": k, "unfused_us": _in_graph_us(unfused, weights, args),
-                       "fused_us": _in_graph_us(fused, weights, args),
-                       "floor_us": n * k * weights[0].element_size() / args.copy_bytes_s * 1e6}
-                if args.fused_sweep and m <= 8:  # the decode rows that matter most; 64 settings each
-                    row["sweep"] = [{**launch, "us": _in_graph_us(lambda w: fused(w, launch), weights, args)}
-                                    for launch in _fused_launches(m)]
-                rows.append(row)
-                best = min(row.get("sweep", []), key=lambda r: r["us"], default=None)  # printed: a run cut short keeps it
-                print({k: v for k, v in row.items() if k != "sweep"} | ({"best_sweep": best} if best else {}), flush=True)
-    return rows
-
-
-def _fused_pair(op: str, m: int, n: int, k: int, dtype, device):
-    """(unfused(w), fused(w, launch=None)) for one op on random inputs; w is the [n, k] weight to use."""
-    from medusa.kernels.fused_matmul_triton import rms_norm_matmul_triton, silu_mul_matmul_triton
-    from medusa.kernels.fused_ops_triton import rms_norm_triton, silu_and_mul_triton
-
-    if op == "silu_down":
-        x = torch.randn(m, 2 * k, dtype=dtype, device=device)
-        return (lambda w: F.linear(silu_and_mul_triton(x), w),
-                lambda w, launch=None: silu_mul_matmul_triton(x, w, launch=launch))
-    x, res = torch.randn(m, k, dtype=dtype, device=device), torch.randn(m, k, dtype=dtype, device=device)
-    g = torch.randn(k, dtype=dtype, device=device)
-    return (lambda w: F.linear(rms_norm_triton(x, g, 1e-5, res)[0], w),
-            lambda w, launch=None: rms_norm_matmul_triton(x, g, 1e-5, w, residual=res, launch=launch))
-
-
-def _weights(n: int, k: int, dtype, device) -> list[torch.Tensor]:
-    """Enough distinct [n, k] weights (up to 128 MiB, 64 of them) that cycling through them reads
-    each from HBM rather than from L2 (~60 MiB on an H200), as a real step's layers do."""
-    copies = max(1, min(64, (128 << 20) // (n * k * torch.finfo(dtype).bits // 8)))
-    return [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5 for _ in range(copies)]
-
-
-def _in_graph_us(fn, weights: list[torch.Tensor], args) -> float:
-    """Microseconds per fn(w) call inside one CUDA graph of at least 16 calls, as a captured step runs them."""
-    calls = max(len(weights), 16)
-    replay = captured(lambda: [fn(weights[i % len(weights)]) for i in range(calls)])
-    return timed(replay, args.repeats, weights[0].device) / calls * 1e6
-
-
-def _fused_launches(m: int) -> list[dict]:
-    """The sweep's launch settings (64 of them): tile widths, chunk lengths, K slices, pipeline depths."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return [dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
-            for bn in (16, 32, 64, 128) for bk in (128, 256) for split in (1, 2, 4, 8) for stages in (2, 3)]
 
 
 def step_curve(args, device, dtype) -> tuple[list[dict], list[dict]]:
@@ -280,14 +214,10 @@ def main() -> None:
     p.add_argument("--skip-steps", action="store_true", help="no step-cost curve")
     p.add_argument("--launch-sweep", action="store_true", help="attention under each num_warps / num_stages (GPU)")
     p.add_argument("--kernel-profile", action="store_true", help="the kernels of a batch-1 plain step (GPU profiler)")
-    p.add_argument("--fused-matmul", action="store_true", help="norm/SiLU + linear: two kernels against one (GPU)")
-    p.add_argument("--fused-sweep", action="store_true", help="with --fused-matmul: its launch settings too")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.launch_sweep and device.type != "cuda":
         p.error("--launch-sweep times the Triton kernel's launch settings: it needs a CUDA device")
-    if args.fused_matmul and device.type != "cuda":
-        p.error("--fused-matmul times Triton kernels against cuBLAS: it needs a CUDA device")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     big = not args.quick
     args.contexts = [512, 1024, 2048, 4096] if big else [64, 128]
@@ -300,14 +230,13 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shape": shape,
                "dtype": str(dtype), "copy_gb_s": args.copy_bytes_s / 1e9,
                "attention": [] if args.skip_attention else attention_curve(args, device, dtype),
-               "launch_sweep": launch_sweep(args, device, dtype) if args.launch_sweep else [],
-               "fused_matmul": fused_matmul_curve(args, device, dtype) if args.fused_matmul else []}
+               "launch_sweep": launch_sweep(args, device, dtype) if args.launch_sweep else []}
     results["steps"], results["kernel_profile"] = ([], []) if args.skip_steps else step_curve(args, device, dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "kernels.png")
-    print(json.dumps({k: v for k, v in results.items() if k not in ("steps", "kernel_profile", "fused_matmul")},
+    print(json.dumps({k: v for k, v in results.items() if k not in ("steps", "kernel_profile")},
                      indent=2))
 
 

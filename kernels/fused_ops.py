@@ -2,11 +2,9 @@
 
 A decoding step of a small model is bound by kernel launches, not bytes: an
 eager Llama layer issues ~50 small kernels, mostly float casts around RMSNorm
-and RoPE. `fused_ops_triton.py` does each of these in one kernel, and
-`fused_matmul_triton.py` folds the norm or SiLU-and-mul into the linear layer
-that follows it; the functions here define what they must compute, rounding
-steps included, so that the Triton path and the reference agree to the last
-bf16 bit in all but rare ties (the matmuls only to fp32 summation order).
+and RoPE. `fused_ops_triton.py` does each of these in one kernel; the functions
+here define what they must compute, rounding steps included, so that the Triton
+path and the reference agree to the last bf16 bit in all but rare ties.
 """
 
 from __future__ import annotations
@@ -33,21 +31,6 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def rms_norm_matmul_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                              bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [..., K] -> (linear(rms_norm(x [+ residual])) [..., N], x + residual or None); weight [N, K] as nn.Linear."""
-    if residual is None:
-        return F.linear(rms_norm_reference(x, norm_weight, eps), weight, bias), None
-    normed, total = add_rms_norm_reference(x, residual, norm_weight, eps)
-    return F.linear(normed, weight, bias), total
-
-
-def silu_mul_matmul_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., 2I] = [gate | up] -> linear(silu(gate) * up) [..., N]; weight [N, I]."""
-    return F.linear(silu_and_mul_reference(x), weight, bias)
 
 
 def rotary_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

@@ -6,8 +6,8 @@ layer knows where every shard goes. Tensor parallelism can later swap these for
 column/row-parallel versions with the same `load_shard` contract.
 
 `norm_linear` and `silu_mul_linear` are the elementwise op plus the linear layer
-after it; with `MEDUSA_FUSED_MATMUL=1` on a GPU each is one Triton kernel,
-otherwise they run the separate modules exactly as before.
+after it: a Triton norm or SiLU kernel, then cuBLAS (folding the two into one
+Triton GEMM was measured slower at every shape, benchmarks/RESULTS.md session 9).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from medusa.kernels.dispatch import use_fused_matmul, use_triton
+from medusa.kernels.dispatch import use_triton
 from medusa.kernels.fused_ops import add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference
 
 
@@ -57,11 +57,6 @@ def norm_linear(norm: RMSNorm, linear: nn.Module, x: torch.Tensor,
 
     x, residual [..., H]; the first output is [..., linear's out_features].
     """
-    if _fusable(linear) and use_fused_matmul(x, residual, norm.weight, linear.weight, linear.bias):
-        from medusa.kernels.fused_matmul_triton import rms_norm_matmul_triton
-
-        y, total = rms_norm_matmul_triton(x, norm.weight, norm.eps, linear.weight, linear.bias, residual)
-        return y, (x if total is None else total)
     if residual is None:
         h, residual = norm(x), x
     else:
@@ -71,17 +66,7 @@ def norm_linear(norm: RMSNorm, linear: nn.Module, x: torch.Tensor,
 
 def silu_mul_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """[..., 2I] = [gate | up] -> linear(silu(gate) * up) [..., out_features]."""
-    if _fusable(linear) and use_fused_matmul(x, linear.weight, linear.bias):
-        from medusa.kernels.fused_matmul_triton import silu_mul_matmul_triton
-
-        return silu_mul_matmul_triton(x, linear.weight, linear.bias)
     return linear(silu_and_mul(x))
-
-
-def _fusable(linear: nn.Module) -> bool:
-    """Whether calling `linear` computes just x @ W^T + b: not a peft LoRA layer, a quantized
-    subclass, or a module whose forward accelerate has wrapped on the instance."""
-    return isinstance(linear, nn.Linear) and type(linear).forward is nn.Linear.forward and "forward" not in vars(linear)
 
 
 class FusedLinear(nn.Linear):

@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
 
         Returns (this layer's MLP output, residual stream up to it); adding the
         two is fused into the next norm. Each norm runs with the projection after it
-        (one kernel each with MEDUSA_FUSED_MATMUL=1 on a GPU; see `norm_linear`).
+        (see `norm_linear`).
         """
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
         h = self.self_attn(qkv, positions, rotary, attn)
