@@ -38,9 +38,10 @@ from medusa.decoding.batch_verify import (
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.host_buffers import host_buffer, upload
-from medusa.decoding.paged_cache import PagedKVCache, StepMetadata, row_slots
+from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.heads import MedusaHeads
 from medusa.kernels.ngram_lookup import ngram_lookup
+from medusa.kernels.tree_placement import place_tree
 from medusa.model import DecoderModel
 
 
@@ -88,7 +89,8 @@ class DecodeStep:
         self.model, self.heads, self.cache = model, heads, cache
         self.device = model.embed_tokens.weight.device
         self.scratch_slot, self.max_seqs, self.kmax = scratch_slot, max_seqs, kmax
-        # the last position the RoPE table covers: a tree at the end of the context reaches past it
+        # the last position the RoPE table covers: a tree at the end of the context reaches past it (nodes
+        # past the context carry tokens past max_model_len, which the engine cuts, so any position serves them)
         self.last_position = model.config.max_position_embeddings - 1
         long = dict(dtype=torch.long, device=self.device)
         self.padding_row = max_seqs
@@ -315,15 +317,15 @@ class DecodeStep:
     def _part1(self, tree: DeviceTree, padded: int, sampling: bool) -> _Part1:
         n = tree.num_nodes
         rows = self.rows[:padded]
-        base = self._place_tree(rows, n)  # [Bp] committed tokens of each row: its tree starts there
+        # each row's tree after its committed tokens (base [Bp]): fills `slots` and `kv_lens`
+        base, positions = place_tree(self.row_base, rows, self.tables[:padded], tree.depths, self.cache.block_size,
+                                     self.padding_row, self.scratch_slot, self.last_position,
+                                     self.slots[: padded * n], self.kv_lens[:padded])
         # the heads' top-k [Bp, K, kmax] only for a tree that has head nodes: for a plain tree the gather
         # would be one more kernel in every captured plain step that a plain engine does not run
         topk = self.topk[rows] if self.kmax and n > 1 else None
         lookup = ngram_lookup(self.history, self.history_len, rows, tree.num_lookup) if tree.num_lookup else None
         candidates = build_candidates(tree, self.roots[rows], topk, lookup)
-        # Nodes past the context carry tokens past max_model_len, which the engine cuts (their
-        # descendants too), so any position serves them: clamped, RoPE reads inside its table.
-        positions = (base[:, None] + tree.depths[None]).flatten().clamp(max=self.last_position)
         meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
                             kv_lens=self.kv_lens[:padded], query_start=self.query_start[: padded + 1],
                             causal=self.causal[:padded], step_bits=tree.bits.repeat(padded), max_query_len=n)
@@ -341,17 +343,6 @@ class DecodeStep:
         self.best[:padded] = best
         self.next[:padded] = targets.gather(1, best[:, None]).squeeze(1)
         return _Part1(candidates, hidden, logits)
-
-    def _place_tree(self, rows: torch.Tensor, n: int) -> torch.Tensor:
-        """Each row's n tree tokens at slots [base, base + n) of its blocks, base its committed tokens:
-        fills `slots` (padding rows: the scratch slot) and `kv_lens`; returns base [Bp]."""
-        padded = rows.shape[0]
-        base = self.row_base[rows]  # [Bp]
-        slots = row_slots(self.tables[:padded], base, n, self.cache.block_size)  # [Bp, n]
-        padding = (rows == self.padding_row)[:, None]
-        self.slots[: padded * n] = slots.masked_fill(padding, self.scratch_slot).flatten()
-        self.kv_lens[:padded] = base + n
-        return base
 
     def _part2(self, tree: DeviceTree, padded: int, part1: _Part1, propose: bool = True) -> torch.Tensor:
         n = tree.num_nodes

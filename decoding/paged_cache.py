@@ -97,15 +97,5 @@ class PagedKVCache:
         self.v[:, dst_slots] = self.v[:, src_slots]
 
 
-def row_slots(tables: torch.Tensor, starts: torch.Tensor, count: int, block_size: int) -> torch.Tensor:
-    """Physical slots [B, count] long of each row's token slots [starts, starts + count), computed on the
-    device so that a step launched before its predecessor's accepted lengths reach the host still finds
-    them: tables [B, W] int32 block tables, starts [B] long. Row i equals BlockManager.slot_mapping for
-    its sequence; a position past the table reads its last block (the caller allocates enough)."""
-    positions = starts[:, None] + torch.arange(count, device=starts.device)  # [B, count]
-    logical = (positions // block_size).clamp(max=tables.shape[1] - 1)
-    return tables.gather(1, logical).long() * block_size + positions % block_size
-
-
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from medusa.decoding.block_manager import BlockManager
-from medusa.decoding.paged_cache import row_slots
+from medusa.kernels.tree_placement import row_slots
 from medusa.decoding.sequence import FinishReason, Sequence, SequenceStatus
 
 BS = 16
