@@ -107,7 +107,21 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
             # batch bucket -> the tree its timings chose; buckets still on trial, borrowing plain decoding
             # from a smaller one, or never run are absent
             "tree_decisions": {b: t.name or f"{t.num_nodes}-node tree"
-                               for b, t in sorted(engine.policy.decision.items())}}
+                               for b, t in sorted(engine.policy.decision.items())},
+            "policy_at_level": policy_view(engine, concurrency)}
+
+
+def policy_view(engine: LLMEngine, concurrency: int) -> dict:
+    """What the tree policy believes at this level's batch size, per tree: graph-timed and charged ms per step
+    (charged: the median wall time once tried), the steps it was wall-timed, its expected tokens per step."""
+    policy, bucket = engine.policy, engine.runner.decode.bucket(concurrency)
+    view = {}
+    for tree, graph in policy.step_cost.get(bucket, {}).items():
+        wall = policy.wall.get(bucket, {}).get(tree)
+        view[tree.name or f"{tree.num_nodes}-node tree"] = {
+            "graph_ms": 1e3 * graph, "charged_ms": 1e3 * policy.cost(bucket, tree),
+            "timed_steps": wall.steps if wall else 0, "expected_tokens": policy.expected_length(tree)}
+    return view
 
 
 def median_run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int,
