@@ -106,7 +106,9 @@ class _InFlight:
     padded: int
     propose: bool
     result: PendingRows
-    chained: bool  # launched while the step before it was still in flight
+    # whether its cost can be read off the time between two read-backs: launched while the step before it was
+    # still in flight, and after no prefill (whose device time, and the admission's sync, would land in it)
+    timed: bool
 
 
 def _detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer | FinalDetokenizer | None:
@@ -288,14 +290,14 @@ class LLMEngine:
                 if item.seq.num_computed_tokens >= prefill_target(item.seq):
                     ready.append((self.requests[item.seq.request_id], start + item.num_tokens - 1))
         if overlapped:  # launch, then read the previous step back while the device runs this one
-            launched = self._launch(decodes, tree)
+            launched = self._launch(decodes, tree, timed=not prefills)
             if self._inflight is not None:
                 outputs += self._read_back_inflight(set(decodes), tree.num_nodes)
             self._inflight = launched
         if ready:
             outputs += self._start_decoding(ready, hidden)
         if decodes and not overlapped:
-            outputs += self._decode(decodes, tree)
+            outputs += self._decode(decodes, tree, timed=not prefills)
         return outputs
 
     # ---- overlapped steps -------------------------------------------------
@@ -305,7 +307,7 @@ class LLMEngine:
         knows each row's committed length, so the next step's tree goes in place before the host does."""
         return self.overlap and not any(self._needs_host(self.requests[seq.request_id]) for seq in seqs)
 
-    def _launch(self, seqs: list[Sequence], tree: DeviceTree) -> _InFlight:
+    def _launch(self, seqs: list[Sequence], tree: DeviceTree, timed: bool = True) -> _InFlight:
         """Queue a decode step; until it is read back, each sequence may be up to depth + 1 tokens further
         along than its counters say (`num_inflight_tokens`), and the scheduler backs that with blocks."""
         step = self.runner.decode
@@ -318,7 +320,7 @@ class LLMEngine:
         most = tree.spec.max_depth + 1
         for seq in seqs:
             seq.num_inflight_tokens += most
-        return _InFlight(requests, tree, padded, propose, result, self._inflight is not None)
+        return _InFlight(requests, tree, padded, propose, result, timed and self._inflight is not None)
 
     def _read_back_inflight(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
         """The overlapped step's tokens, with stops and outputs as in `_decode`. `ahead`: sequences a later
@@ -333,7 +335,10 @@ class LLMEngine:
         # Its cost is the time between two read-backs, which a run of overlapped steps reaches from its
         # second step on. The first one's host work overlaps nothing: timed, a lone plain step (a revisit)
         # would charge plain decoding the cost of a step without overlap, and speculation would win too often.
-        if flight.padded in self.policy.step_cost and flight.chained:
+        # One launched after a prefill would be charged the prefill (on an 8B shape, several ms), and with
+        # speculation requests finish, so prompts are admitted, at scattered steps: its revisits, at 8B and
+        # 64 requests, charged plain decoding twice its step (session 9).
+        if flight.padded in self.policy.step_cost and flight.timed:
             self.policy.observe_step(flight.padded, flight.tree.spec, now - self._read_back_time, flight.propose)
         self._read_back_time = now
         return outputs
@@ -383,8 +388,9 @@ class LLMEngine:
         self._note_logprobs(request, raw, [int(root)])
         return int(root)
 
-    def _decode(self, seqs: list[Sequence], tree: DeviceTree) -> list[RequestOutput]:
-        """One batched verification step for every decoding sequence, read back at once."""
+    def _decode(self, seqs: list[Sequence], tree: DeviceTree, timed: bool = True) -> list[RequestOutput]:
+        """One batched verification step for every decoding sequence, read back at once. `timed`: its wall
+        time is the step's alone (no prefill ran before it in this engine step), so the policy learns from it."""
         start = time.perf_counter()
         step = self.runner.decode
         requests = [self.requests[seq.request_id] for seq in seqs]
@@ -395,7 +401,7 @@ class LLMEngine:
         self._verify_on_host(requests, tree, part1)
         packed = step.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
         outputs = self._apply_rows(requests, tree, packed)
-        if padded in self.policy.step_cost:  # the measured policy is on: it learns what steps really cost
+        if timed and padded in self.policy.step_cost:  # the measured policy is on: it learns what steps cost
             self.policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
         return outputs
 

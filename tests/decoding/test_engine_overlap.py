@@ -10,6 +10,7 @@ import pytest
 from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import SchedulerConfig
+from medusa.decoding.tree_policy import unmeasured_prior
 from medusa.tree import TreeSpec
 from engine_driver import random_prompts, run_staggered, single_thread
 from tiny_models import tiny_decoder
@@ -40,7 +41,7 @@ def count_launches(engine):
     """-> a list that gets each launched step's tree size"""
     launched = []
     launch = engine._launch
-    engine._launch = lambda seqs, tree: launched.append(tree.num_nodes) or launch(seqs, tree)
+    engine._launch = lambda seqs, tree, **kw: launched.append(tree.num_nodes) or launch(seqs, tree, **kw)
     return launched
 
 
@@ -186,3 +187,26 @@ def test_seeded_sampling_and_host_rows_are_unchanged_by_overlap(tiny):
             for h, a in ((None, False), (heads, False), (heads, True)) for o in (False, True)]
     tokens = [[o.token_ids for o in run] for run in runs]
     assert tokens[0] == tokens[1] and tokens[2] == tokens[3] and tokens[4] == tokens[5]
+
+
+def test_steps_sharing_their_time_with_a_prefill_teach_the_policy_nothing(tiny):
+    """A prefill's device time (and the admission's sync) lands in the wall time of the decode step that runs
+    after it: such steps are not timed. Synchronous steps are timed within their engine step; an overlapped
+    one between the read-backs of the steps before it and of it, so it is read back one engine step later."""
+    model, heads = tiny
+    ps = random_prompts(12, VOCAB, 30, seed=11)
+    for overlap in (False, True):
+        engine = engine_for(model, heads, overlap)
+        for tree in engine.scheduler.trees:  # a measured policy at every batch size, so that steps get timed
+            engine.policy.add_prior(tree, unmeasured_prior(4))
+            for bucket in range(1, 65):
+                engine.policy.add_cost(bucket, tree, 1e-3)
+        steps, prefilled, timed = [], set(), []
+        step, run, observe = engine.step, engine.runner.run, engine.policy.observe_step
+        engine.step = lambda: steps.append(1) or step()
+        engine.runner.run = lambda batch: prefilled.add(len(steps)) or run(batch)
+        engine.policy.observe_step = lambda *a, **kw: timed.append(len(steps)) or observe(*a, **kw)
+        done = run_staggered(engine, ps, [SamplingParams(max_tokens=6 + 3 * (i % 4)) for i in range(12)], per_step=1)
+        assert len(done) == 12 and len(prefilled) >= 12 and len(timed) > 10
+        launched_in = [i - 1 for i in timed] if overlap else timed  # the engine step each timed step ran in
+        assert not prefilled & set(launched_in), overlap

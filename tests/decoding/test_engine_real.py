@@ -35,7 +35,7 @@ def test_32_staggered_requests_match_batch1_plain_greedy(default_model_dir):
     engine.overlap = True
     launched = []
     launch = engine._launch
-    engine._launch = lambda seqs, tree: launched.append(tree.num_nodes) or launch(seqs, tree)
+    engine._launch = lambda seqs, tree, **kw: launched.append(tree.num_nodes) or launch(seqs, tree, **kw)
     done = run_staggered(engine, prompts, params, per_step=4)
     check(done, references)
     assert max(launched) > 1 and len(launched) > 20  # speculative steps overlapped (plain ones: test_engine_overlap)
