@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -67,16 +68,19 @@ def default_model(device, dtype, heads: str | None):
     return m, prompts
 
 
-def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
-    """Closed loop: `concurrency` requests stay in flight until every prompt is served."""
+def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+              concurrency: int) -> dict:
+    """Closed loop: `concurrency` requests stay in flight until every prompt is served (params: one for all,
+    or one per prompt)."""
     sync()
     trees_before = engine.stats().steps_per_tree
-    queue, finished, in_flight, steps = list(prompts), [], 0, 0
+    params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+    queue, finished, in_flight, steps = list(zip(prompts, params)), [], 0, 0
     full_tokens, full_seconds = 0, None  # while every slot is busy: until the last request is admitted
     start = time.perf_counter()
     while queue or in_flight:
         while queue and in_flight < concurrency:
-            engine.add_request(queue.pop(0), params)
+            engine.add_request(*queue.pop(0))
             in_flight += 1
         outputs = engine.step()
         if queue:  # requests still wait for a slot: every slot is busy
@@ -124,7 +128,19 @@ def policy_view(engine: LLMEngine, concurrency: int) -> dict:
     return view
 
 
-def median_run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+def answer_lengths(count: int, mean: int, spread: float) -> list[int]:
+    """max_tokens per request: all `mean`, or with spread F uniform in [mean (1 - F), mean (1 + F)] (seeded, so
+    both modes serve the same requests). With equal lengths, plain decoding's requests of a round finish at one
+    step and their replacements' prompts share prefill forwards, where speculation's finish at scattered steps
+    and are prefilled one by one; serving traffic varies in length, so both modes would admit one by one."""
+    if not spread:
+        return [mean] * count
+    g = torch.Generator().manual_seed(0)
+    low, high = max(1, round(mean * (1 - spread))), round(mean * (1 + spread))
+    return torch.randint(low, high + 1, (count,), generator=g).tolist()
+
+
+def median_run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
                repeats: int) -> dict:
     """The level `repeats` times on the same engine (its tree policy keeps learning): the run with the
     median tok/s, and every run's tok/s. A level lasts about a second, and single runs of the same
@@ -159,10 +175,13 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         run_level(engine, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), 1)
         for c in args.concurrency:
             level = [prompts[i % len(prompts)] for i in range(args.requests_per_slot * c)]  # Spec-Bench has 480
-            row = {"model": name, "mode": mode, "concurrency": c, **median_run(engine, level, params, c, args.repeats)}
+            lengths = answer_lengths(len(level), args.max_tokens, args.length_spread)
+            level_params = [replace(params, max_tokens=n) for n in lengths]
+            row = {"model": name, "mode": mode, "concurrency": c,
+                   **median_run(engine, level, level_params, c, args.repeats)}
             if args.profile_steps:  # the same level again, every phase timed
                 with PhaseTimer(engine) as timer:
-                    run_level(engine, level, params, c)
+                    run_level(engine, level, level_params, c)
                 row["phases"] = timer.report()
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -201,6 +220,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--num-blocks", type=int, default=4096)
     p.add_argument("--requests-per-slot", type=int, default=8, help="requests served per concurrent slot")
+    p.add_argument("--length-spread", type=float, default=0.0,
+                   help="answer lengths uniform in max_tokens x [1 - F, 1 + F] (default 0: all max_tokens)")
     p.add_argument("--repeats", type=int, default=3, help="runs per level; the median one is reported")
     p.add_argument("--profile-steps", action="store_true",
                    help="run each level a second time with every step phase timed (benchmarks/phases.py)")
@@ -214,6 +235,8 @@ def main() -> None:
                    help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
                         "heads alone (default: the library's, 4 on a GPU and 0 on a CPU)")
     args = p.parse_args()
+    if not 0 <= args.length_spread < 1:
+        p.error(f"--length-spread must be in [0, 1), got {args.length_spread}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.quick:
@@ -226,7 +249,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     (out / "results.json").write_text(json.dumps({"device": device_name, "dtype": str(dtype),
-                                                   "max_tokens": args.max_tokens, "prompt_lookup": args.prompt_lookup,
+                                                   "max_tokens": args.max_tokens, "length_spread": args.length_spread,
+                                                   "prompt_lookup": args.prompt_lookup,
                                                    "repeats": args.repeats, "heads": args.heads, "output_kind": args.output_kind,
                                                    "overlap": not (args.no_overlap or args.profile_steps),
                                                    "rows": rows}, indent=2))

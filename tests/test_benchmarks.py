@@ -78,11 +78,15 @@ def test_serving_quick(default_model_dir, tmp_path):
 
 
 def test_throughput_quick(tmp_path):
-    results = run("throughput.py", tmp_path, "--profile-steps")
+    results = run("throughput.py", tmp_path, "--profile-steps", "--length-spread", "0.5")
     rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
     assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 4)}
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput import answer_lengths
+
     for (mode, c), row in rows.items():
-        assert row["requests"] == 3 * c and row["tokens"] == 8 * row["requests"]  # ignore_eos
+        lengths = answer_lengths(3 * c, 8, 0.5)  # ignore_eos: every answer is as long as its max_tokens
+        assert row["requests"] == 3 * c and row["tokens"] == sum(lengths) and len(set(lengths)) > 1
         assert row["tok_s"] > 0 and row["mean_accepted_length"] >= 1.0
         assert len(row["tok_s_runs"]) == 3 and row["tok_s"] == sorted(row["tok_s_runs"])[1]  # the median of 3
         assert sum(row["decode_steps_per_tree"].values()) > 0 and 1 <= row["mean_decode_batch"] <= c
@@ -93,3 +97,9 @@ def test_throughput_quick(tmp_path):
         assert phases["decode_steps"] > 0 and phases["part1_ms"] > 0 and phases["prepare_ms"] > 0
         assert min(v for k, v in phases.items() if k.endswith("_ms")) >= 0
     assert (tmp_path / "throughput.png").stat().st_size > 0
+
+
+def test_throughput_rejects_a_bad_length_spread(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--out",
+                           str(tmp_path), "--length-spread", "1.5"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and "--length-spread must be in [0, 1), got 1.5" in done.stderr
