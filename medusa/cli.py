@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # torch is imported only by the commands that run
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="medusa", description="Medusa speculative decoding")
@@ -34,6 +36,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, no chat template")
     p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights' dtype (auto: bfloat16 on a GPU, float32 on a CPU); float32 makes greedy Medusa "
+                        "output identical to plain decoding, where bfloat16 may differ at near-ties")
     p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes (n-gram copies of earlier text) added to the tree; 0: the heads "
                         "alone (default: the library's, 4)")
@@ -50,12 +55,15 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import torch
+
     from medusa.medusa_model import MedusaModel
 
     heads = None if args.heads in (None, "none") else args.heads
     start = time.perf_counter()
     lookup = {} if args.prompt_lookup is None else {"prompt_lookup": args.prompt_lookup}
-    model = MedusaModel.from_pretrained(args.model, heads=heads, device=args.device, **lookup)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = MedusaModel.from_pretrained(args.model, heads=heads, device=args.device, dtype=dtype, **lookup)
     if args.heads == "none":
         model.heads = None
     inputs = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
@@ -87,15 +95,29 @@ def _compare(model, inputs, options, medusa_result) -> None:
     """Plain decoding of the same prompt in the same process, for an honest ratio."""
     plain = model.generate(inputs, speculative=False, **options)
     speedup = medusa_result.tokens_per_second / max(plain.tokens_per_second, 1e-9)
-    same = plain.token_ids == medusa_result.token_ids
     verdict = "faster" if speedup >= 1 else "slower"
     print(f"[plain decoding: {plain.tokens_per_second:.1f} tokens/s -> Medusa is {speedup:.2f}x ({verdict}) "
           f"on {model.base.embed_tokens.weight.device.type}]")
     if options["temperature"] == 0:
-        print(f"[greedy outputs identical: {'yes' if same else 'NO'}]")
+        dtype = str(model.base.embed_tokens.weight.dtype).removeprefix("torch.")
+        print(greedy_verdict(plain.token_ids, medusa_result.token_ids, dtype))
     if speedup < 1:
         print("[on a CPU, verifying a tree costs close to its size in single-token steps, so Medusa gains "
               "little there; on a GPU the tree is nearly free]")
+
+
+def greedy_verdict(plain: list[int], medusa: list[int], dtype: str) -> str:
+    """Whether greedy Medusa gave plain decoding's tokens; if not, where they part and, in 16-bit
+    weights, why: a tree's forward sums in another order than a single token's, so a near-tie
+    between two tokens can go the other way (float32 leaves no such ties in practice)."""
+    if plain == medusa:
+        return "[greedy outputs identical: yes]"
+    first = next((i for i, (a, b) in enumerate(zip(plain, medusa)) if a != b), min(len(plain), len(medusa)))
+    line = f"[greedy outputs identical: NO, they part at token {first + 1} of {len(plain)}"
+    if dtype in ("bfloat16", "float16"):
+        line += (f"; in {dtype} the tree's forward rounds differently from plain "
+                 "decoding's, so a near-tie can flip: --dtype float32 gives identical outputs")
+    return line + "]"
 
 
 if __name__ == "__main__":

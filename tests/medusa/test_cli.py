@@ -1,0 +1,26 @@
+"""The `medusa generate` command: its greedy verdict, and the README demo end to end on the CPU."""
+
+import pytest
+
+from medusa.cli import greedy_verdict, main
+
+
+def test_greedy_verdict_says_where_outputs_part_and_why_in_16_bit():
+    assert greedy_verdict([1, 2, 3], [1, 2, 3], "bfloat16") == "[greedy outputs identical: yes]"
+    line = greedy_verdict([1, 2, 3, 4], [1, 2, 9, 4], "bfloat16")
+    assert "NO, they part at token 3 of 4" in line and "--dtype float32" in line
+    assert greedy_verdict([1, 2], [1, 2, 3], "float32") == "[greedy outputs identical: NO, they part at token 3 of 2]"
+
+
+@pytest.mark.slow
+def test_generate_compare_in_float32_is_identical(default_model_dir, capsys):
+    code = main(["generate", "What is 7 times 8?", "--compare", "--dtype", "float32", "--max-new-tokens", "12",
+                 "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0 and "[greedy outputs identical: yes]" in out and "[plain decoding:" in out
+
+
+def test_generate_rejects_an_unknown_dtype(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--dtype", "float8"])
+    assert "invalid choice: 'float8'" in capsys.readouterr().err
