@@ -10,10 +10,10 @@ them:
             forward of B x N tree tokens over the paged cache, logits, greedy verdict
     (host)  `verifier.verify` for the rows that need it, written into `best`/`next`
     part 2  emitted tokens (appended to the token history), KV of accepted paths moved
-            into place, committed lengths advanced, heads at the accepted node -> each row's next root
-            and top-k saved (a plain step
-            that the next step will not speculate from skips the heads: with a
-            large vocabulary they cost as much as the rest of part 2)
+            into place, committed lengths advanced, heads at the accepted node -> each
+            row's next root and top-k saved (a plain step that the next step will not
+            speculate from skips the heads: with a large vocabulary they cost as much
+            as the rest of part 2)
 
 On CUDA each part is captured once per (batch bucket, tree) as a CUDA graph and
 replayed; the only device-to-host copy of a step is the packed [B, D + 3] result.
@@ -207,7 +207,7 @@ class DecodeStep:
         padded = self.bucket(b)
         _check_backed(seqs, n, self.cache.block_size)
         tables = self._host_tables[:padded]
-        tables[b:] = 0  # padding rows: block 0, never read (their kv_len is 0)
+        tables[b:] = 0  # padding rows: block 0, never read (their query is empty)
         tables[:b] = blocks.block_tables(seqs, self.tables.shape[1])
         # padding rows b..padded: the padding state row (no KV), an empty query, the scratch slot
         host = self._host
