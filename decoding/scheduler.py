@@ -140,11 +140,12 @@ class Scheduler:
         """`tree`, or the largest smaller one that the whole pool can back for the longest decoding
         sequence (`longest` slots before its tree): otherwise preemption would free every other
         sequence, then that one, and it would never run again. The single node always fits."""
-        blocks, size = self.blocks.num_blocks, self.blocks.block_size
-        if -(-(longest + tree.num_nodes) // size) <= blocks:
+        size = self.blocks.block_size
+        fits = lambda t: -(-(longest + t.num_nodes) // size) <= self.blocks.num_blocks  # noqa: E731
+        if fits(tree):
             return tree
-        fits = [t for t in self.trees if t.num_nodes <= tree.num_nodes and -(-(longest + t.num_nodes) // size) <= blocks]
-        return fits[-1] if fits else self.trees[0]
+        smaller = [t for t in self.trees if t.num_nodes <= tree.num_nodes and fits(t)]
+        return smaller[-1] if smaller else self.trees[0]
 
     def _allocate_making_room(self, seq: Sequence, count: int, lookahead: int, preempted: list[Sequence]) -> bool:
         """Allocate for `seq`, preempting the newest running sequences until it fits; False if `seq` itself went."""

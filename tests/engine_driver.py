@@ -36,6 +36,14 @@ def run_staggered(engine, prompts, params, per_step: int = 3) -> dict:
     return done
 
 
+def count_launches(engine) -> list[int]:
+    """-> a list that gets the tree size of each overlapped step the engine launches"""
+    launched = []
+    launch = engine._launch
+    engine._launch = lambda seqs, tree, **kw: launched.append(tree.num_nodes) or launch(seqs, tree, **kw)
+    return launched
+
+
 def force_overlap(request, monkeypatch):
     """For a fixture parametrized over [False, True]: every LLMEngine built in the test runs with
     `overlap` set to the parameter, so the CPU checks the overlapped steps' bookkeeping as well."""

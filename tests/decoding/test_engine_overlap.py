@@ -12,7 +12,7 @@ from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import SchedulerConfig
 from medusa.decoding.tree_policy import unmeasured_prior
 from medusa.tree import TreeSpec
-from engine_driver import random_prompts, run_staggered, single_thread
+from engine_driver import count_launches, random_prompts, run_staggered, single_thread
 from tiny_models import tiny_decoder
 from test_engine import batch1
 
@@ -35,14 +35,6 @@ def engine_for(model, heads, overlap, num_blocks=256, block_size=4, alternate=Fa
         turns = itertools.count()
         engine.scheduler.policy = lambda n: trees[(k // 3) % len(trees)] if (k := next(turns)) % 3 == 2 else plain
     return engine
-
-
-def count_launches(engine):
-    """-> a list that gets each launched step's tree size"""
-    launched = []
-    launch = engine._launch
-    engine._launch = lambda seqs, tree, **kw: launched.append(tree.num_nodes) or launch(seqs, tree, **kw)
-    return launched
 
 
 @pytest.mark.parametrize("mode", ["plain", "alternating-trees", "speculative"])
