@@ -166,7 +166,8 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     # the phase timer synchronises around every phase, so a profiled engine runs without overlap
     overlap = False if args.profile_steps or args.no_overlap else None
     config = EngineConfig(num_blocks=args.num_blocks, trees=config.trees, scheduler=scheduler,
-                          prompt_lookup=args.prompt_lookup, overlap=overlap)
+                          prompt_lookup=args.prompt_lookup, overlap=overlap,
+                          mixed_prompt_tokens=args.mixed_prompt_tokens)
     rows = []
     for mode, medusa in (("plain", None), ("medusa", heads)):
         engine = LLMEngine(base, medusa, config, tokenizer, eos)
@@ -227,6 +228,8 @@ def main() -> None:
                    help="run each level a second time with every step phase timed (benchmarks/phases.py)")
     p.add_argument("--no-overlap", action="store_true",
                    help="EngineConfig.overlap=False: no plain step is launched before the last one is read back")
+    p.add_argument("--mixed-prompt-tokens", type=int, default=EngineConfig.mixed_prompt_tokens,
+                   help="prompt tokens a decode step's forward may carry (0: every prompt chunk in a forward of its own)")
     p.add_argument("--output-kind", default="delta", choices=("delta", "final"),
                    help="SamplingParams.output_kind: text every step (streaming, the default) or once at the end")
     p.add_argument("--heads", default=None, help="heads folder for the default model (default: the shipped heads)")
@@ -237,6 +240,8 @@ def main() -> None:
     args = p.parse_args()
     if not 0 <= args.length_spread < 1:
         p.error(f"--length-spread must be in [0, 1), got {args.length_spread}")
+    if args.mixed_prompt_tokens < 0:
+        p.error(f"--mixed-prompt-tokens must be >= 0, got {args.mixed_prompt_tokens}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.quick:
@@ -253,6 +258,7 @@ def main() -> None:
                                                    "prompt_lookup": args.prompt_lookup,
                                                    "repeats": args.repeats, "heads": args.heads, "output_kind": args.output_kind,
                                                    "overlap": not (args.no_overlap or args.profile_steps),
+                                                   "mixed_prompt_tokens": args.mixed_prompt_tokens,
                                                    "rows": rows}, indent=2))
     plot(rows, out / "throughput.png")
     for r in rows:

@@ -27,7 +27,7 @@ has to back the worst case with blocks (`Sequence.num_inflight_tokens`).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +39,7 @@ from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.host_buffers import host_buffer, upload
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
+from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.heads import MedusaHeads
 from medusa.kernels.ngram_lookup import ngram_lookup
 from medusa.kernels.tree_placement import place_tree
@@ -74,6 +75,7 @@ class _Part1:
     candidates: torch.Tensor  # [Bp, N]
     hidden: torch.Tensor  # [Bp * N, H]
     logits: torch.Tensor  # [Bp * N, V]
+    prompt_hidden: torch.Tensor | None = None  # [P, H] of the prompt chunks the step carried
 
 
 def batch_buckets(max_seqs: int) -> list[int]:
@@ -130,6 +132,7 @@ class DecodeStep:
         self.uniforms = torch.zeros(max_seqs, 2 * max_tree, dtype=torch.float64, device=self.device)
         self.sampling_step = False  # whether the prepared step has sampling rows (its own graphs)
         self.propose_step = True  # whether the prepared step runs the heads for the next one
+        self.prompts: PromptSegment | None = None  # prompt chunks the prepared step's forward carries
         self.best = torch.zeros(max_seqs, **long)  # [B] deepest accepted node
         self.next = torch.zeros(max_seqs, **long)  # [B] target token there: the next root
         # an overlapped step's result is copied out while the next step runs: two page-locked buffers, one
@@ -192,30 +195,36 @@ class DecodeStep:
     # ---- one step ---------------------------------------------------------
 
     def prepare(self, seqs: list, rows: list[int], tree: DeviceTree, blocks: BlockManager,
-                sampling: list[RowSampling | None] | None = None, propose: bool = True) -> int:
+                sampling: list[RowSampling | None] | None = None, propose: bool = True,
+                prompts: PromptSegment | None = None) -> int:
         """Fill the input buffers for `seqs` (state rows `rows`; `sampling` per row, None = greedy);
         returns the padded batch size. A sequence's block table must back its committed tokens, the
         tokens of its steps in flight (`num_inflight_tokens`) and this tree's.
 
         propose=False (for a plain step) skips the heads, leaving each row's top-k stale: the
         next step should then not speculate (it would stay correct, but accept little).
+        prompts: uploaded prompt chunks to run in the same forward (their hidden states come back
+        in `_Part1.prompt_hidden`); each (padded batch, tree, prompt bucket) is a graph of its own.
         """
-        self.propose_step = propose
+        self.propose_step, self.prompts = propose, prompts
         if self._uploaded is not None:  # an overlapped step's upload may still be queued behind the step before
             self._uploaded.synchronize()
         b, n = len(seqs), tree.num_nodes
         padded = self.bucket(b)
         _check_backed(seqs, n, self.cache.block_size)
         tables = self._host_tables[:padded]
-        tables[b:] = 0  # padding rows: block 0, never read (their query is empty)
+        # padding rows: block 0, whose first tree-size slots their queries read (real KV, finite: their
+        # own tokens' KV goes to the scratch slot) and whose results nothing uses
         tables[:b] = blocks.block_tables(seqs, self.tables.shape[1])
-        # padding rows b..padded: the padding state row (no KV), an empty query, the scratch slot
+        # padding rows b..padded: the padding state row (no KV), their own n tokens as queries (so that every
+        # step token belongs to a sequence and prompt chunks carried after them start at Bp * N), the
+        # scratch slot
         host = self._host
         host["rows"][:b] = rows
         host["rows"][b:padded] = self.padding_row
         host["known_base"][:b] = [s.num_computed_tokens for s in seqs]
         host["known_base"][b:padded] = 0
-        host["query_start"][: padded + 1] = np.minimum(np.arange(padded + 1), b) * n
+        host["query_start"][: padded + 1] = np.arange(padded + 1) * n
         if tree.num_lookup > self.max_lookup:
             raise ValueError(f"tree {tree.spec.name!r} has {tree.num_lookup} lookup nodes; this step was built "
                              f"for at most {self.max_lookup}")
@@ -279,9 +288,9 @@ class DecodeStep:
     def forward(self, tree: DeviceTree, padded: int) -> _Part1:
         """Part 1; afterwards `best`/`next` hold the greedy verdict of every row."""
         if not self.use_graphs:
-            self._last = self._part1(tree, padded, self.sampling_step)
+            self._last = self._part1(tree, padded, self.sampling_step, self.prompts)
             return self._last
-        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step)
+        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step, self.prompts)
         graphs["g1"].replay()
         return graphs["part1"]
 
@@ -289,7 +298,7 @@ class DecodeStep:
         """Part 2 -> packed [Bp, D + 3] long on the device: (count, D + 1 tokens, best node) per row."""
         if not self.use_graphs:
             return self._part2(tree, padded, self._last, self.propose_step)
-        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step)
+        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step, self.prompts)
         graphs["g2"].replay()
         return graphs["packed"]
 
@@ -314,7 +323,7 @@ class DecodeStep:
 
     # ---- the two parts ----------------------------------------------------
 
-    def _part1(self, tree: DeviceTree, padded: int, sampling: bool) -> _Part1:
+    def _part1(self, tree: DeviceTree, padded: int, sampling: bool, prompts: PromptSegment | None = None) -> _Part1:
         n = tree.num_nodes
         rows = self.rows[:padded]
         # each row's tree after its committed tokens (base [Bp]): fills `slots` and `kv_lens`
@@ -329,7 +338,11 @@ class DecodeStep:
         meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
                             kv_lens=self.kv_lens[:padded], query_start=self.query_start[: padded + 1],
                             causal=self.causal[:padded], step_bits=tree.bits.repeat(padded), max_query_len=n)
-        hidden = self.cache.forward(self.model, candidates.flatten(), positions, meta)  # [Bp * N, H]
+        ids = candidates.flatten()
+        if prompts is not None:
+            ids, positions, meta = _with_prompts(ids, positions, meta, prompts, padded * n)
+        hidden = self.cache.forward(self.model, ids, positions, meta)  # [Bp * N (+ P), H]
+        hidden, prompt_hidden = hidden[: padded * n], (hidden[padded * n:] if prompts is not None else None)
         logits = self.model.compute_logits(hidden)  # [Bp * N, V]
         targets = logits.argmax(-1).view(padded, n)
         if sampling:  # lossless sampling: each node's target is a draw; acceptance is then the same test
@@ -342,7 +355,7 @@ class DecodeStep:
         best = greedy_verdict(tree, candidates, targets)
         self.best[:padded] = best
         self.next[:padded] = targets.gather(1, best[:, None]).squeeze(1)
-        return _Part1(candidates, hidden, logits)
+        return _Part1(candidates, hidden, logits, prompt_hidden)
 
     def _part2(self, tree: DeviceTree, padded: int, part1: _Part1, propose: bool = True) -> torch.Tensor:
         n = tree.num_nodes
@@ -376,25 +389,28 @@ class DecodeStep:
 
     # ---- CUDA graphs ------------------------------------------------------
 
-    def _graph(self, tree: DeviceTree, padded: int, sampling: bool, propose: bool = True) -> dict:
-        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1)
+    def _graph(self, tree: DeviceTree, padded: int, sampling: bool, propose: bool = True,
+               prompts: PromptSegment | None = None) -> dict:
+        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, prompts.num_tokens if prompts else 0)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(tree, padded, sampling, key[3])
+            self._graphs[key] = self._capture(tree, padded, sampling, key[3], prompts)
         return self._graphs[key]
 
     @torch.inference_mode()
-    def _capture(self, tree: DeviceTree, padded: int, sampling: bool, propose: bool) -> dict:
-        """Warm up on an all-padding batch (touches only the scratch slot and padding row), then capture."""
-        with self._padding_inputs():
+    def _capture(self, tree: DeviceTree, padded: int, sampling: bool, propose: bool,
+                 prompts: PromptSegment | None) -> dict:
+        """Warm up on an all-padding batch (touches only the scratch slot and padding row, and no
+        prompt token's KV), then capture."""
+        with self._padding_inputs(), (prompts.padding() if prompts is not None else nullcontext()):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._part2(tree, padded, self._part1(tree, padded, sampling), propose)
+                    self._part2(tree, padded, self._part1(tree, padded, sampling, prompts), propose)
             torch.cuda.current_stream().wait_stream(stream)
             g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(g1, pool=self.pool):
-                part1 = self._part1(tree, padded, sampling)
+                part1 = self._part1(tree, padded, sampling, prompts)
             with torch.cuda.graph(g2, pool=self.pool):
                 packed = self._part2(tree, padded, part1, propose)
         return {"g1": g1, "g2": g2, "part1": part1, "packed": packed}
@@ -413,6 +429,22 @@ class DecodeStep:
         finally:
             for buffer, value in zip(buffers, saved):
                 buffer.copy_(value)
+
+
+def _with_prompts(ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata, prompts: PromptSegment,
+                  offset: int) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
+    """The step's tree tokens [Bp * N] followed by its prompt chunks [P], as one varlen batch of Bp + S
+    sequences: the prompts' queries start at `offset` = Bp * N, where the padding rows' queries end, and
+    they are causal and carry no tree bits."""
+    joined = StepMetadata(
+        slot_mapping=torch.cat([meta.slot_mapping, prompts.slots]),
+        block_tables=torch.cat([meta.block_tables, prompts.tables]),
+        kv_lens=torch.cat([meta.kv_lens, prompts.kv_lens]),
+        query_start=torch.cat([meta.query_start, prompts.query_start[1:] + offset]),
+        causal=torch.cat([meta.causal, prompts.causal]),
+        step_bits=torch.cat([meta.step_bits, torch.zeros_like(prompts.slots)]),
+        max_query_len=max(meta.max_query_len, prompts.num_tokens))
+    return torch.cat([ids, prompts.input_ids]), torch.cat([positions, prompts.positions]), joined
 
 
 def _check_backed(seqs: list, num_nodes: int, block_size: int) -> None:

@@ -5,12 +5,14 @@
     while engine.has_unfinished():
         for out in engine.step(): ...
 
-Each step: schedule -> prompt chunks forward (replayed from a CUDA graph of their
-token bucket on the GPU, `prefill_graphs.py`) -> every decoding sequence
-verifies its tree in one batched `DecodeStep` (device-side greedy and sampled
-verification, CUDA graphs on the GPU; host verification only for rows that ask
-for logprobs, are under min_tokens or use penalties) -> append tokens, check stops,
-free finished sequences.
+Each step: schedule -> every decoding sequence verifies its tree in one batched
+`DecodeStep` (device-side greedy and sampled verification, CUDA graphs on the GPU;
+host verification only for rows that ask for logprobs, are under min_tokens or use
+penalties), whose forward also carries the step's prompt chunks up to
+`mixed_prompt_tokens` (cut to fill a token bucket); larger chunks, or a step with
+nothing decoding, get a prompt forward of their own (replayed from a CUDA graph of
+their token bucket, `prefill_graphs.py`) -> append tokens, check stops, free
+finished sequences.
 
 With `prompt_lookup=L`, every speculative tree also carries a chain of L nodes
 whose tokens copy what followed the latest earlier occurrence of the sequence's
@@ -35,10 +37,11 @@ from medusa.decoding.decode_step import PendingRows, RowSampling
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
+from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
 from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
 from medusa.decoding.sampling_params import SamplingParams
-from medusa.decoding.scheduler import Scheduler, SchedulerConfig, prefill_target
+from medusa.decoding.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
 from medusa.decoding.tree_policy import TreePolicy, unmeasured_prior
 from medusa.decoding.verifier import AcceptanceConfig, verify
@@ -65,10 +68,17 @@ class EngineConfig:
     # device runs the next; plain and speculative trees alike. None: on where CUDA graphs run (on the CPU
     # nothing runs ahead of the host: tests turn it on to check the logic)
     overlap: bool | None = None
+    # A step that decodes and prefills at once runs prompt chunks of up to this many tokens (in all) inside
+    # the decode step's forward: the weights are read once for both, where a prompt forward of its own
+    # would read them all again (on an 8B model, ~16 GB a step). Bigger chunks get their own forward,
+    # where the compute dominates anyway. 0: always their own. Each (batch, tree, token bucket) is a graph
+    mixed_prompt_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {self.num_blocks}, {self.block_size}")
+        if not isinstance(self.mixed_prompt_tokens, int) or self.mixed_prompt_tokens < 0:
+            raise ValueError(f"mixed_prompt_tokens must be an integer >= 0, got {self.mixed_prompt_tokens!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         lookup = self.prompt_lookup
@@ -109,6 +119,7 @@ class _InFlight:
     # whether its cost can be read off the time between two read-backs: launched while the step before it was
     # still in flight, and after no prefill (whose device time, and the admission's sync, would land in it)
     timed: bool
+    prompt_hidden: torch.Tensor | None = None  # [P, H] of the prompt chunks its forward carried
 
 
 def _detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer | FinalDetokenizer | None:
@@ -162,6 +173,7 @@ class LLMEngine:
         self.steps_per_tree: Counter[str] = Counter()  # decode steps per tree label, likewise
         self.policy = TreePolicy()  # filled by warmup() on a GPU
         self.overlap = self.runner.decode.use_graphs if config.overlap is None else config.overlap
+        self.mixed_prompt_tokens = config.mixed_prompt_tokens
         self._inflight: _InFlight | None = None
         self._read_back_time = 0.0  # perf_counter when the last overlapped step's tokens were read back
 
@@ -281,24 +293,38 @@ class LLMEngine:
         if self._inflight is not None and not overlapped:  # this step needs every token on the host first
             outputs += self._read_back_inflight(set(decodes), tree.num_nodes)
             decodes = [seq for seq in decodes if not seq.is_finished]  # finished by a token just read back
-        ready = []  # (request, row of its last prompt token in hidden): the prompt is now all cached
-        if prefills:
-            batch = self.runner.prepare_prefill(prefills)
-            hidden = self.runner.run(batch)  # [T, H]
-            for item, start in zip(prefills, batch.starts):
-                self.blocks.commit(item.seq, item.num_tokens)
-                if item.seq.num_computed_tokens >= prefill_target(item.seq):
-                    ready.append((self.requests[item.seq.request_id], start + item.num_tokens - 1))
+        if prefills and decodes:  # the decode step will carry them: a token bucket's padding costs as much as a prompt
+            prefills = _fill_bucket(prefills, self.runner.prefill.buckets, self.mixed_prompt_tokens)
+        batch = self.runner.prepare_prefill(prefills) if prefills else None
+        prompts = None  # the prompt chunks, when the decode step's forward carries them
+        if batch is not None and decodes:
+            prompts = self.runner.prompt_segment(batch, self.mixed_prompt_tokens)
+        hidden = self.runner.run(batch) if batch is not None and prompts is None else None  # [T, H]
         if overlapped:  # launch, then read the previous step back while the device runs this one
-            launched = self._launch(decodes, tree, timed=not prefills)
+            launched = self._launch(decodes, tree, timed=not prefills, prompts=prompts)
+            hidden = launched.prompt_hidden if prompts is not None else hidden
             if self._inflight is not None:
                 outputs += self._read_back_inflight(set(decodes), tree.num_nodes)
             self._inflight = launched
-        if ready:
-            outputs += self._start_decoding(ready, hidden)
-        if decodes and not overlapped:
-            outputs += self._decode(decodes, tree, timed=not prefills)
+        elif decodes:
+            decoded, carried = self._decode(decodes, tree, timed=not prefills, prompts=prompts)
+            outputs += decoded
+            hidden = carried if prompts is not None else hidden
+        if batch is not None:
+            ready = self._commit_prefills(prefills, batch)
+            if ready:
+                outputs += self._start_decoding(ready, hidden)
         return outputs
+
+    def _commit_prefills(self, prefills: list, batch) -> list[tuple[_Request, int]]:
+        """The chunks' KV is (being) written: commit it. -> (request, row of its last prompt token in the
+        batch's hidden states) for each sequence whose prompt is now all cached."""
+        ready = []
+        for item, start in zip(prefills, batch.starts):
+            self.blocks.commit(item.seq, item.num_tokens)
+            if item.seq.num_computed_tokens >= prefill_target(item.seq):
+                ready.append((self.requests[item.seq.request_id], start + item.num_tokens - 1))
+        return ready
 
     # ---- overlapped steps -------------------------------------------------
 
@@ -307,20 +333,28 @@ class LLMEngine:
         knows each row's committed length, so the next step's tree goes in place before the host does."""
         return self.overlap and not any(self._needs_host(self.requests[seq.request_id]) for seq in seqs)
 
-    def _launch(self, seqs: list[Sequence], tree: DeviceTree, timed: bool = True) -> _InFlight:
-        """Queue a decode step; until it is read back, each sequence may be up to depth + 1 tokens further
-        along than its counters say (`num_inflight_tokens`), and the scheduler backs that with blocks."""
+    def _launch(self, seqs: list[Sequence], tree: DeviceTree, timed: bool = True,
+                prompts: PromptSegment | None = None) -> _InFlight:
+        """Queue a decode step (carrying `prompts`, if given); until it is read back, each sequence may be up
+        to depth + 1 tokens further along than its counters say (`num_inflight_tokens`), and the scheduler
+        backs that with blocks."""
         step = self.runner.decode
-        requests = [self.requests[seq.request_id] for seq in seqs]
-        sampling = [self._row_sampling(r, tree) for r in requests]
-        propose = self.policy.proposes(step.bucket(len(seqs)), tree.spec)
-        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose)
-        step.forward(tree, padded)
+        requests, padded, propose, part1 = self._forward(seqs, tree, prompts)
         result = step.finish_to_host(tree, padded, len(seqs))
         most = tree.spec.max_depth + 1
         for seq in seqs:
             seq.num_inflight_tokens += most
-        return _InFlight(requests, tree, padded, propose, result, timed and self._inflight is not None)
+        return _InFlight(requests, tree, padded, propose, result, timed and self._inflight is not None,
+                         part1.prompt_hidden)
+
+    def _forward(self, seqs: list[Sequence], tree: DeviceTree, prompts: PromptSegment | None):
+        """Part 1 of a decode step for `seqs` -> (their requests, padded batch, whether it proposes, part 1)."""
+        step = self.runner.decode
+        requests = [self.requests[seq.request_id] for seq in seqs]
+        sampling = [self._row_sampling(r, tree) for r in requests]
+        propose = self.policy.proposes(step.bucket(len(seqs)), tree.spec)
+        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose, prompts)
+        return requests, padded, propose, step.forward(tree, padded)
 
     def _read_back_inflight(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
         """The overlapped step's tokens, with stops and outputs as in `_decode`. `ahead`: sequences a later
@@ -388,22 +422,19 @@ class LLMEngine:
         self._note_logprobs(request, raw, [int(root)])
         return int(root)
 
-    def _decode(self, seqs: list[Sequence], tree: DeviceTree, timed: bool = True) -> list[RequestOutput]:
-        """One batched verification step for every decoding sequence, read back at once. `timed`: its wall
-        time is the step's alone (no prefill ran before it in this engine step), so the policy learns from it."""
+    def _decode(self, seqs: list[Sequence], tree: DeviceTree, timed: bool = True,
+                prompts: PromptSegment | None = None) -> tuple[list[RequestOutput], torch.Tensor | None]:
+        """One batched verification step for every decoding sequence, read back at once -> (outputs, the
+        hidden states [P, H] of the prompt chunks it carried, if any). `timed`: its wall time is the step's
+        alone (no prefill ran in this engine step), so the policy learns from it."""
         start = time.perf_counter()
-        step = self.runner.decode
-        requests = [self.requests[seq.request_id] for seq in seqs]
-        sampling = [self._row_sampling(r, tree) for r in requests]
-        propose = self.policy.proposes(step.bucket(len(seqs)), tree.spec)
-        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose)
-        part1 = step.forward(tree, padded)
+        requests, padded, propose, part1 = self._forward(seqs, tree, prompts)
         self._verify_on_host(requests, tree, part1)
-        packed = step.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
+        packed = self.runner.decode.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
         outputs = self._apply_rows(requests, tree, packed)
         if timed and padded in self.policy.step_cost:  # the measured policy is on: it learns what steps cost
             self.policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
-        return outputs
+        return outputs, part1.prompt_hidden
 
     def _apply_rows(self, requests: list[_Request], tree: DeviceTree, rows: list[list[int]],
                     ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
@@ -551,6 +582,24 @@ class LLMEngine:
         if spec not in self._device_trees:
             self._device_trees[spec] = DeviceTree.from_spec(spec, self.device)
         return self._device_trees[spec]
+
+
+def _fill_bucket(prefills: list[ScheduledSeq], buckets: list[int], limit: int) -> list[ScheduledSeq]:
+    """Prompt chunks cut to fill the largest token bucket they cover, the newest cut first: a decode step's
+    graph computes its bucket's padding at full cost (an 8B model, ~16 GFLOP a token; Spec-Bench prompts of
+    130 tokens pad to 256), while the tokens cut wait a step in their sequences' next chunk. A chunk cut to
+    nothing waits whole, its blocks allocated. Unchanged if they fill a bucket, cover none, or exceed `limit`."""
+    total = sum(item.num_tokens for item in prefills)
+    fitting = [b for b in buckets if b <= min(total, limit)]
+    if total > limit or not fitting or fitting[-1] == total:
+        return prefills
+    cut, kept = total - fitting[-1], []
+    for item in reversed(prefills):
+        take = min(cut, item.num_tokens)
+        cut -= take
+        if take < item.num_tokens:
+            kept.append(replace(item, num_tokens=item.num_tokens - take))
+    return kept[::-1]
 
 
 def _with_lookup(trees: list[TreeSpec], length: int) -> list[TreeSpec]:

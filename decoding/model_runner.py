@@ -2,9 +2,10 @@
 
 Prompt chunks (prefill) are padded to a token bucket and replayed from CUDA
 graphs on the GPU (`prefill_graphs.py`); a batch larger than the biggest bucket,
-and everything on the CPU, runs eagerly with its own shapes. Decoding sequences
-go through `DecodeStep` (static buffers, device-side verification, CUDA graphs
-on the GPU). The KV pool has one extra block at the end, never handed out,
+and everything on the CPU, runs eagerly with its own shapes. Decoding sequences go through `DecodeStep`
+(static buffers, device-side verification, CUDA graphs on the GPU). A step with
+both carries its prompt chunks in the decode step's forward when they are few
+(`prompt_segment`): a separate prefill forward would read every weight again. The KV pool has one extra block at the end, never handed out,
 that padding rows of a captured batch write into.
 """
 
@@ -16,7 +17,7 @@ import torch
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.decode_step import DecodeStep
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
-from medusa.decoding.prefill_graphs import PrefillBatch, PrefillGraphs
+from medusa.decoding.prefill_graphs import PrefillBatch, PrefillGraphs, PromptSegment
 from medusa.decoding.scheduler import ScheduledSeq
 from medusa.heads import MedusaHeads
 from medusa.model import DecoderModel
@@ -53,6 +54,13 @@ class ModelRunner:
         query_start = np.concatenate([[0], np.cumsum([len(i) for i in ids])]).astype(np.int64)
         return PrefillBatch(np.concatenate(ids), np.concatenate(positions), np.concatenate(slots).astype(np.int64),
                             table, np.asarray(kv_lens, dtype=np.int64), query_start)
+
+    def prompt_segment(self, batch: PrefillBatch, max_tokens: int) -> PromptSegment | None:
+        """`batch` uploaded for the decode step to carry in its forward, if it has at most `max_tokens`
+        tokens and fits the static inputs; else None (it runs in its own forward, `run`)."""
+        if batch.num_tokens > max_tokens or not self.prefill.fits(batch):
+            return None
+        return self.prefill.segment(batch)
 
     @torch.inference_mode()
     def run(self, batch: PrefillBatch) -> torch.Tensor:

@@ -5,7 +5,8 @@ Run eagerly, a prompt forward launches every kernel of every layer from Python
 prefill of the 135M default model on the H200, against ~1 ms for the captured
 decode step. Medusa admits requests one by one as they finish at different
 steps, so it pays that more often than plain decoding, whose requests of equal
-length finish together and are admitted in one prefill.
+length finish together and are admitted in one prefill. (Since session 10 a few
+prompt chunks ride in the decode step's own graph instead: `PromptSegment`.)
 
 So the chunks of a step are padded to a token bucket and replayed from a graph
 captured with static inputs: room for `max_seqs` sequences, block tables of
@@ -17,6 +18,7 @@ padded path runs eagerly on the CPU, so tests cover the padding.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +56,40 @@ class PrefillBatch:
     @property
     def max_query_len(self) -> int:
         return int(np.diff(self.query_start).max())
+
+
+@dataclass(frozen=True)
+class PromptSegment:
+    """A step's prompt chunks on the device, padded to P tokens and S sequences (S = max_seqs, the
+    padding ones empty), for a decode step to carry in its own forward: one read of the weights for
+    both. Views of `PrefillGraphs`' static inputs, so a graph captured with them replays any batch."""
+
+    input_ids: torch.Tensor  # [P]
+    positions: torch.Tensor  # [P]
+    slots: torch.Tensor  # [P] -1 for padding tokens (no KV written)
+    tables: torch.Tensor  # [S, W] int32
+    kv_lens: torch.Tensor  # [S]
+    query_start: torch.Tensor  # [S + 1] from 0
+    causal: torch.Tensor  # [S] int32, all 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @contextmanager
+    def padding(self):
+        """Inside: no token writes KV and no sequence has tokens (for warm-up and capture); the
+        uploaded batch comes back afterwards."""
+        buffers = (self.slots, self.kv_lens, self.query_start)
+        saved = [t.clone() for t in buffers]
+        self.slots.fill_(-1)
+        self.kv_lens.zero_()
+        self.query_start.zero_()
+        try:
+            yield
+        finally:
+            for buffer, value in zip(buffers, saved):
+                buffer.copy_(value)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -116,6 +152,14 @@ class PrefillGraphs:
         graph, hidden = captured
         graph.replay()
         return hidden[: batch.num_tokens]
+
+    def segment(self, batch: PrefillBatch) -> PromptSegment:
+        """Upload `batch` for a decode step's forward to carry (`fits` first): padded to its token bucket
+        where graphs replay, else at its own length (a graph per bucket; eagerly, padding is only waste)."""
+        bucket = self.bucket(batch.num_tokens) if self.use_graphs else batch.num_tokens
+        self._upload(batch, bucket)
+        return PromptSegment(self.input_ids[:bucket], self.positions[:bucket], self.slots[:bucket], self.tables,
+                             self.kv_lens, self.query_start, self.causal)
 
     def _upload(self, batch: PrefillBatch, bucket: int) -> None:
         if self._uploaded is not None:  # the host buffers are reused: the last upload must have left them

@@ -194,9 +194,10 @@ def test_steps_sharing_their_time_with_a_prefill_teach_the_policy_nothing(tiny):
             for bucket in range(1, 65):
                 engine.policy.add_cost(bucket, tree, 1e-3)
         steps, prefilled, timed = [], set(), []
-        step, run, observe = engine.step, engine.runner.run, engine.policy.observe_step
+        step, prepare, observe = engine.step, engine.runner.prepare_prefill, engine.policy.observe_step
         engine.step = lambda: steps.append(1) or step()
-        engine.runner.run = lambda batch: prefilled.add(len(steps)) or run(batch)
+        # every prompt chunk, in a forward of its own or carried by the decode step's
+        engine.runner.prepare_prefill = lambda items: prefilled.add(len(steps)) or prepare(items)
         engine.policy.observe_step = lambda *a, **kw: timed.append(len(steps)) or observe(*a, **kw)
         done = run_staggered(engine, ps, [SamplingParams(max_tokens=6 + 3 * (i % 4)) for i in range(12)], per_step=1)
         assert len(done) == 12 and len(prefilled) >= 12 and len(timed) > 10

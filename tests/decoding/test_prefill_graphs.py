@@ -31,9 +31,10 @@ def test_token_buckets_cover_every_count_up_to_the_budget():
 
 
 def test_padded_prefill_equals_eager(tiny):
-    """Chunked prompts (a small token budget), several per step, some continuing a cached prefix."""
+    """Chunked prompts (a small token budget), several per step, some continuing a cached prefix; each in a
+    forward of its own (test_mixed_steps.py checks those a decode step carries)."""
     model, heads = tiny
-    config = EngineConfig(num_blocks=200, block_size=4, enable_prefix_caching=False,
+    config = EngineConfig(num_blocks=200, block_size=4, enable_prefix_caching=False, mixed_prompt_tokens=0,
                           scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=6), cuda_graphs=False)
     engine = LLMEngine(model, heads, config)
     runner = engine.runner
@@ -85,6 +86,7 @@ def test_prefill_graphs_equal_eager_on_the_gpu(default_model_dir):
 
     model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
     engine = model.engine()
+    engine.mixed_prompt_tokens = 0  # every prompt chunk in a prefill forward of its own
     runner = engine.runner
     assert runner.prefill.use_graphs
     engine.warmup()
