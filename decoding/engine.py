@@ -37,8 +37,8 @@ from medusa.decoding.decode_step import PendingRows, RowSampling
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
-from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
+from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, prefill_target
@@ -293,13 +293,7 @@ class LLMEngine:
         if self._inflight is not None and not overlapped:  # this step needs every token on the host first
             outputs += self._read_back_inflight(set(decodes), tree.num_nodes)
             decodes = [seq for seq in decodes if not seq.is_finished]  # finished by a token just read back
-        if prefills and decodes:  # the decode step will carry them: a token bucket's padding costs as much as a prompt
-            prefills = _fill_bucket(prefills, self.runner.prefill.buckets, self.mixed_prompt_tokens)
-        batch = self.runner.prepare_prefill(prefills) if prefills else None
-        prompts = None  # the prompt chunks, when the decode step's forward carries them
-        if batch is not None and decodes:
-            prompts = self.runner.prompt_segment(batch, self.mixed_prompt_tokens)
-        hidden = self.runner.run(batch) if batch is not None and prompts is None else None  # [T, H]
+        prefills, batch, prompts, hidden = self._prefill(prefills, bool(decodes))
         if overlapped:  # launch, then read the previous step back while the device runs this one
             launched = self._launch(decodes, tree, timed=not prefills, prompts=prompts)
             hidden = launched.prompt_hidden if prompts is not None else hidden
@@ -315,6 +309,19 @@ class LLMEngine:
             if ready:
                 outputs += self._start_decoding(ready, hidden)
         return outputs
+
+    def _prefill(self, prefills: list[ScheduledSeq], decoding: bool):
+        """The step's prompt chunks -> (the chunks run, their batch, the `PromptSegment` the decode step's
+        forward carries, or their hidden states [T, H] from a forward of their own; None for what does
+        not apply). Beside a decoding batch they ride in its forward if they are few (`mixed_prompt_tokens`),
+        cut to fill a token bucket: a bucket's padding costs as much as prompt tokens."""
+        if not prefills:
+            return prefills, None, None, None
+        if decoding:
+            prefills = _fill_bucket(prefills, self.runner.prefill.buckets, self.mixed_prompt_tokens)
+        batch = self.runner.prepare_prefill(prefills)
+        prompts = self.runner.prompt_segment(batch, self.mixed_prompt_tokens) if decoding else None
+        return prefills, batch, prompts, self.runner.run(batch) if prompts is None else None
 
     def _commit_prefills(self, prefills: list, batch) -> list[tuple[_Request, int]]:
         """The chunks' KV is (being) written: commit it. -> (request, row of its last prompt token in the
