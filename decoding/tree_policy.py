@@ -38,8 +38,9 @@ with the most tokens per second. Near the best, priors cannot rank trees: on an
 H200 at one request, trying the best alone settled on a 32-node tree at 2.60
 tokens per step, where an earlier policy had run the 64-node one at 2.68.
 Speculation must beat plain decoding by MARGIN, for what the step times cannot
-see (requests that finish at scattered steps are admitted one prefill at a time,
-new rows run the heads). A long run of one kind gives the best of the other kind
+see (requests that finish at scattered steps leave their rows empty for a step
+or two and are admitted a few at a time, their prompts in steps that the timings
+leave out; new rows run the heads). A long run of one kind gives the best of the other kind
 one step (every REVISIT_STEPS steps), so neither a change of traffic nor one
 unlucky timing can switch speculation off, or plain decoding out, for good.
 
@@ -76,7 +77,7 @@ TRIAL_BAND = 1.1
 REVISIT_STEPS = 200  # steps of one kind (plain or speculative) at a batch size before the other kind runs one
 SETTLE_STEPS = 8  # a batch size running its decided tree re-decides every SETTLE_STEPS steps of it
 # Speculation must promise this many times plain decoding's tokens per second: near a tie, noise and the
-# costs outside the decode step (scattered finishes, so one prefill per request; heads for new rows) decide
+# costs outside the timed steps (scattered finishes: empty rows, admissions a few at a time; heads for new rows) decide
 MARGIN = 1.1
 # tokens of pseudo-evidence that the heads are as good as their accuracies say: the calibration starts at
 # 1 and a 64-node tree's four trial steps (a prior of about 0.8 tokens beyond the root each) halve it
