@@ -27,7 +27,7 @@ has to back the worst case with blocks (`Sequence.num_inflight_tokens`).
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +37,7 @@ from medusa.decoding.batch_verify import (
     build_candidates, compaction_slots, emitted_tokens, greedy_verdict, sampled_targets)
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.device_tree import DeviceTree
-from medusa.decoding.host_buffers import host_buffer, upload
+from medusa.decoding.host_buffers import host_buffer, overwritten, upload
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.heads import MedusaHeads
@@ -415,20 +415,11 @@ class DecodeStep:
                 packed = self._part2(tree, padded, part1, propose)
         return {"g1": g1, "g2": g2, "part1": part1, "packed": packed}
 
-    @contextmanager
     def _padding_inputs(self):
         """Inside: an all-padding batch (no sequence's KV or state row is touched); the prepared
-        inputs come back afterwards."""
-        buffers = (self.rows, self.known_base, self.query_start, self.tables)
-        saved = [t.clone() for t in buffers]
-        self.rows.fill_(self.padding_row)
-        self.known_base.zero_()
-        self.query_start.zero_()
-        try:
-            yield
-        finally:
-            for buffer, value in zip(buffers, saved):
-                buffer.copy_(value)
+        inputs come back afterwards (the tables too, which `time_step` rewrites)."""
+        fills = [(self.rows, self.padding_row), (self.known_base, 0), (self.query_start, 0)]
+        return overwritten(fills, kept=(self.tables,))
 
 
 def _with_prompts(ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata, prompts: PromptSegment,

@@ -7,6 +7,8 @@ code fills a reusable NumPy view of such a buffer and uploads it in one copy.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -20,3 +22,18 @@ def upload(buffer: torch.Tensor, values: np.ndarray) -> None:
     """buffer[:len(values)] = values, queued (asynchronous from a `host_buffer`; from any other
     array the copy is staged first). The caller must not rewrite `values` before the copy ran."""
     buffer[: len(values)].copy_(torch.from_numpy(values), non_blocking=True)
+
+
+@contextmanager
+def overwritten(fills: list[tuple[torch.Tensor, int]], kept: tuple[torch.Tensor, ...] = ()):
+    """Inside: each static input of `fills` holds its value (padding, for a warm-up and capture that must
+    touch no sequence); afterwards they, and `kept` (written inside), hold what they held before."""
+    buffers = [tensor for tensor, _ in fills] + list(kept)
+    saved = [tensor.clone() for tensor in buffers]
+    for tensor, value in fills:
+        tensor.fill_(value)
+    try:
+        yield
+    finally:
+        for tensor, value in zip(buffers, saved):
+            tensor.copy_(value)

@@ -18,13 +18,12 @@ padded path runs eagerly on the CPU, so tests cover the padding.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from medusa.decoding.host_buffers import host_buffer, upload
+from medusa.decoding.host_buffers import host_buffer, overwritten, upload
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.model import DecoderModel
 
@@ -76,20 +75,10 @@ class PromptSegment:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
-    @contextmanager
     def padding(self):
         """Inside: no token writes KV and no sequence has tokens (for warm-up and capture); the
         uploaded batch comes back afterwards."""
-        buffers = (self.slots, self.kv_lens, self.query_start)
-        saved = [t.clone() for t in buffers]
-        self.slots.fill_(-1)
-        self.kv_lens.zero_()
-        self.query_start.zero_()
-        try:
-            yield
-        finally:
-            for buffer, value in zip(buffers, saved):
-                buffer.copy_(value)
+        return overwritten([(self.slots, -1), (self.kv_lens, 0), (self.query_start, 0)])
 
 
 def token_buckets(max_tokens: int) -> list[int]:

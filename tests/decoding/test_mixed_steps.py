@@ -154,3 +154,15 @@ def test_chunks_are_cut_to_fill_a_bucket_newest_first():
 def test_mixed_prompt_tokens_must_be_a_count():
     with pytest.raises(ValueError, match="mixed_prompt_tokens"):
         EngineConfig(mixed_prompt_tokens=-1)
+
+
+def test_overwritten_inputs_come_back_even_after_an_error():
+    from medusa.decoding.host_buffers import overwritten
+
+    slots, lens, tables = torch.arange(4), torch.arange(3), torch.ones(2, 2)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with overwritten([(slots, -1), (lens, 0)], kept=(tables,)):
+            assert slots.tolist() == [-1] * 4 and lens.tolist() == [0] * 3
+            tables.zero_()
+            raise RuntimeError("capture failed")
+    assert slots.tolist() == [0, 1, 2, 3] and lens.tolist() == [0, 1, 2] and tables.tolist() == [[1, 1], [1, 1]]
