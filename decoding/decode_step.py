@@ -215,6 +215,7 @@ class DecodeStep:
         tables = self._host_tables[:padded]
         # padding rows: block 0, whose first tree-size slots their queries read (real KV, finite: their
         # own tokens' KV goes to the scratch slot) and whose results nothing uses
+        tables[b:] = 0
         tables[:b] = blocks.block_tables(seqs, self.tables.shape[1])
         # padding rows b..padded: the padding state row (no KV), their own n tokens as queries (so that every
         # step token belongs to a sequence and prompt chunks carried after them start at Bp * N), the

@@ -80,12 +80,21 @@ def test_mixed_steps_with_padded_batches_equal_batch1_greedy(tiny, lookup):
     engine = LLMEngine(model, heads, config)
     step = engine.runner.decode
     step.bucket = lambda batch: next(b for b in step.buckets if b >= batch)  # 1, 2, 4, 8 rows
+    prepare, padded_steps = step.prepare, []
+
+    def checked(seqs, *args, **kwargs):  # padding rows read block 0: any other is some sequence's
+        padded = prepare(seqs, *args, **kwargs)
+        assert not step.tables[len(seqs):padded].any() and (step.query_start[: padded + 1].diff() > 0).all()
+        padded_steps.append(padded > len(seqs))
+        return padded
+
+    step.prepare = checked
     seen = count_forwards(engine)
     prompts = random_prompts(10, VOCAB, 30, seed=4)
     done = run_staggered(engine, prompts, [SamplingParams(max_tokens=10)] * 10, per_step=1)
     for i, p in enumerate(prompts):
         assert done[i].token_ids == batch1(model, p, 10), i
-    assert seen["mixed"] >= 6
+    assert seen["mixed"] >= 6 and sum(padded_steps) >= 5
 
 
 def test_chunks_over_the_limit_get_a_forward_of_their_own(tiny):
