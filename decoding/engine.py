@@ -9,7 +9,7 @@ Each step: schedule -> every decoding sequence verifies its tree in one batched
 `DecodeStep` (device-side greedy and sampled verification, CUDA graphs on the GPU;
 host verification only for rows that ask for logprobs, are under min_tokens or use
 penalties), whose forward also carries the step's prompt chunks up to
-`mixed_prompt_tokens` (cut to fill a token bucket); larger chunks, or a step with
+`mixed_prompt_tokens` (on a GPU cut to fill a token bucket); larger chunks, or a step with
 nothing decoding, get a prompt forward of their own (replayed from a CUDA graph of
 their token bucket, `prefill_graphs.py`) -> append tokens, check stops, free
 finished sequences.
@@ -174,6 +174,9 @@ class LLMEngine:
         self.policy = TreePolicy()  # filled by warmup() on a GPU
         self.overlap = self.runner.decode.use_graphs if config.overlap is None else config.overlap
         self.mixed_prompt_tokens = config.mixed_prompt_tokens
+        # cut carried prompt chunks to fill a token bucket: only where graphs pad them to one (eagerly a cut
+        # saves nothing and delays the rest of a prompt by a step); tests turn it on for the CPU
+        self.fill_buckets = self.runner.prefill.use_graphs
         self._inflight: _InFlight | None = None
         self._read_back_time = 0.0  # perf_counter when the last overlapped step's tokens were read back
 
@@ -314,10 +317,10 @@ class LLMEngine:
         """The step's prompt chunks -> (the chunks run, their batch, the `PromptSegment` the decode step's
         forward carries, or their hidden states [T, H] from a forward of their own; None for what does
         not apply). Beside a decoding batch they ride in its forward if they are few (`mixed_prompt_tokens`),
-        cut to fill a token bucket: a bucket's padding costs as much as prompt tokens."""
+        cut to fill a token bucket where graphs pad them (`fill_buckets`): padding costs as much as prompt tokens."""
         if not prefills:
             return prefills, None, None, None
-        if decoding:
+        if decoding and self.fill_buckets:
             prefills = _fill_bucket(prefills, self.runner.prefill.buckets, self.mixed_prompt_tokens)
         batch = self.runner.prepare_prefill(prefills)
         prompts = self.runner.prompt_segment(batch, self.mixed_prompt_tokens) if decoding else None

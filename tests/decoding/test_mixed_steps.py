@@ -26,7 +26,9 @@ def tiny():
 def engine_for(model, heads, overlap: bool, mixed: int, budget: int = 2048) -> LLMEngine:
     config = EngineConfig(num_blocks=256, block_size=4, overlap=overlap, mixed_prompt_tokens=mixed,
                           scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8))
-    return LLMEngine(model, heads, config)
+    engine = LLMEngine(model, heads, config)
+    engine.fill_buckets = True  # as on a GPU, where the graphs pad chunks to a bucket
+    return engine
 
 
 def count_forwards(engine) -> dict:
@@ -78,6 +80,7 @@ def test_mixed_steps_with_padded_batches_equal_batch1_greedy(tiny, lookup):
     config = EngineConfig(num_blocks=256, block_size=4, overlap=True, prompt_lookup=lookup,
                           scheduler=SchedulerConfig(max_num_seqs=8))
     engine = LLMEngine(model, heads, config)
+    engine.fill_buckets = True
     step = engine.runner.decode
     step.bucket = lambda batch: next(b for b in step.buckets if b >= batch)  # 1, 2, 4, 8 rows
     prepare, padded_steps = step.prepare, []
@@ -143,6 +146,17 @@ def test_carried_chunks_give_the_hidden_states_and_kv_of_their_own_forward(tiny,
     assert len(done) == 8 and len(checked) >= 5 and any(continued for _, continued in checked)
     for i, p in enumerate(prompts):
         assert done[i].token_ids == batch1(model, p, 5), i
+
+
+def test_chunks_are_not_cut_where_nothing_pads_them(tiny):
+    """Eagerly (the CPU) a carried chunk runs at its own length: a cut would only delay the prompt's rest."""
+    model, heads = tiny
+    engine = LLMEngine(model, heads, EngineConfig(num_blocks=256, block_size=4))
+    assert not engine.fill_buckets
+    seen = count_forwards(engine)
+    prompts = [p + [1] * max(0, 20 - len(p)) for p in random_prompts(6, VOCAB, 30, seed=8)]  # 20-29 tokens
+    run_staggered(engine, prompts, [SamplingParams(max_tokens=6)] * 6, per_step=1)
+    assert seen["mixed"] >= 4 and all(n >= 20 for n in seen["carried"])  # whole prompts, never cut to 16
 
 
 def chunks(*sizes):
