@@ -434,7 +434,7 @@ def _with_prompts(ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
         kv_lens=torch.cat([meta.kv_lens, prompts.kv_lens]),
         query_start=torch.cat([meta.query_start, prompts.query_start[1:] + offset]),
         causal=torch.cat([meta.causal, prompts.causal]),
-        step_bits=torch.cat([meta.step_bits, torch.zeros_like(prompts.slots)]),
+        step_bits=torch.cat([meta.step_bits, prompts.step_bits]),
         max_query_len=max(meta.max_query_len, prompts.num_tokens))
     return torch.cat([ids, prompts.input_ids]), torch.cat([positions, prompts.positions]), joined
 

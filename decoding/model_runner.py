@@ -2,11 +2,12 @@
 
 Prompt chunks (prefill) are padded to a token bucket and replayed from CUDA
 graphs on the GPU (`prefill_graphs.py`); a batch larger than the biggest bucket,
-and everything on the CPU, runs eagerly with its own shapes. Decoding sequences go through `DecodeStep`
-(static buffers, device-side verification, CUDA graphs on the GPU). A step with
-both carries its prompt chunks in the decode step's forward when they are few
-(`prompt_segment`): a separate prefill forward would read every weight again. The KV pool has one extra block at the end, never handed out,
-that padding rows of a captured batch write into.
+and everything on the CPU, runs eagerly with its own shapes. Decoding sequences
+go through `DecodeStep` (static buffers, device-side verification, CUDA graphs on
+the GPU). A step with both carries its prompt chunks in the decode step's forward
+when they are few (`prompt_segment`): a prefill forward of their own would read
+every weight again. The KV pool has one extra block at the end, never handed
+out, that padding rows of a captured batch write into.
 """
 
 from __future__ import annotations

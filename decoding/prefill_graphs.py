@@ -70,6 +70,7 @@ class PromptSegment:
     kv_lens: torch.Tensor  # [S]
     query_start: torch.Tensor  # [S + 1] from 0
     causal: torch.Tensor  # [S] int32, all 1
+    step_bits: torch.Tensor  # [P] int64, all 0 (causal rows read no tree bits)
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +149,7 @@ class PrefillGraphs:
         bucket = self.bucket(batch.num_tokens) if self.use_graphs else batch.num_tokens
         self._upload(batch, bucket)
         return PromptSegment(self.input_ids[:bucket], self.positions[:bucket], self.slots[:bucket], self.tables,
-                             self.kv_lens, self.query_start, self.causal)
+                             self.kv_lens, self.query_start, self.causal, self.step_bits[:bucket])
 
     def _upload(self, batch: PrefillBatch, bucket: int) -> None:
         if self._uploaded is not None:  # the host buffers are reused: the last upload must have left them

@@ -5,8 +5,8 @@ step), yet weights still arrive one checkpoint tensor at a time: each fused
 layer knows where every shard goes. Tensor parallelism can later swap these for
 column/row-parallel versions with the same `load_shard` contract.
 
-`norm_linear` and `silu_mul_linear` are the elementwise op plus the linear layer
-after it: a Triton norm or SiLU kernel, then cuBLAS (folding the two into one
+`norm_linear` is the norm plus the linear layer after it: a Triton norm kernel,
+then cuBLAS (folding the two, or SiLU-and-mul and the down projection, into one
 Triton GEMM was measured slower at every shape, benchmarks/RESULTS.md session 9).
 """
 
@@ -62,11 +62,6 @@ def norm_linear(norm: RMSNorm, linear: nn.Module, x: torch.Tensor,
     else:
         h, residual = norm.add_and_norm(x, residual)
     return linear(h), residual
-
-
-def silu_mul_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] = [gate | up] -> linear(silu(gate) * up) [..., out_features]."""
-    return linear(silu_and_mul(x))
 
 
 class FusedLinear(nn.Linear):

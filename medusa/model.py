@@ -15,7 +15,7 @@ from torch import nn
 
 from medusa.attention import AttentionBackend
 from medusa.config import ModelConfig
-from medusa.layers import FusedLinear, RMSNorm, norm_linear, silu_mul_linear
+from medusa.layers import FusedLinear, RMSNorm, norm_linear, silu_and_mul
 from medusa.rope import RotaryEmbedding
 
 
@@ -57,7 +57,7 @@ class MLP(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., T, 2I]: gate_up_proj's output, which the decoder layer computes together
         with the post-attention norm -> down_proj(silu(gate) * up) [..., T, H]."""
-        return silu_mul_linear(self.down_proj, gate_up)
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
