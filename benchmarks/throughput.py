@@ -42,6 +42,7 @@ from medusa.loading import empty_model
 from medusa.training.data import DATA_DIR
 from common import SHAPES, sync
 from phases import PhaseTimer
+from step_trace import StepTrace
 from plotting import pyplot
 
 
@@ -184,6 +185,12 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
                 with PhaseTimer(engine) as timer:
                     run_level(engine, level, level_params, c)
                 row["phases"] = timer.report()
+            if args.trace_steps:  # and again with every engine step recorded
+                with StepTrace(engine) as trace:
+                    run_level(engine, level, level_params, c)
+                row["trace"] = trace.summary()
+                path = Path(args.out) / f"trace_{name}_{mode}_c{c}.json"
+                path.write_text(json.dumps(trace.steps))
             print(json.dumps(row), flush=True)
             rows.append(row)
         del engine
@@ -226,6 +233,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per level; the median one is reported")
     p.add_argument("--profile-steps", action="store_true",
                    help="run each level a second time with every step phase timed (benchmarks/phases.py)")
+    p.add_argument("--trace-steps", action="store_true",
+                   help="run each level once more recording every engine step (trace_*.json, a summary in the row)")
     p.add_argument("--no-overlap", action="store_true",
                    help="EngineConfig.overlap=False: no plain step is launched before the last one is read back")
     p.add_argument("--mixed-prompt-tokens", type=int, default=EngineConfig.mixed_prompt_tokens,
@@ -249,9 +258,9 @@ def main() -> None:
         args.requests_per_slot = 3
     if args.prompt_lookup is None:
         args.prompt_lookup = default_prompt_lookup(device)
-    rows = [r for name in args.models.split(",") for r in bench_model(name, args, device, dtype)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    rows = [r for name in args.models.split(",") for r in bench_model(name, args, device, dtype)]
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     (out / "results.json").write_text(json.dumps({"device": device_name, "dtype": str(dtype),
                                                    "max_tokens": args.max_tokens, "length_spread": args.length_spread,

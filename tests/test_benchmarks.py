@@ -78,7 +78,7 @@ def test_serving_quick(default_model_dir, tmp_path):
 
 
 def test_throughput_quick(tmp_path):
-    results = run("throughput.py", tmp_path, "--profile-steps", "--length-spread", "0.5")
+    results = run("throughput.py", tmp_path, "--profile-steps", "--trace-steps", "--length-spread", "0.5")
     rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
     assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 4)}
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -96,6 +96,15 @@ def test_throughput_quick(tmp_path):
         phases = row["phases"]
         assert phases["decode_steps"] > 0 and phases["part1_ms"] > 0 and phases["prepare_ms"] > 0
         assert min(v for k, v in phases.items() if k.endswith("_ms")) >= 0
+    for (mode, c), row in rows.items():  # --trace-steps: and once more with every engine step recorded
+        steps = json.loads((tmp_path / f"trace_tiny_{mode}_c{c}.json").read_text())
+        kinds = row["trace"]["kinds"]
+        assert sum(k["steps"] for k in kinds.values()) == len(steps) > 0
+        decoded = [s for s in steps if s["rows"]]  # 3 x C requests of 8 tokens, at most C at a time
+        assert all(1 <= s["rows"] <= c and s["padded"] >= s["rows"] for s in decoded)
+        # each request's 7 tokens after its first take decode rows that emit at most 5 (4 heads + root) each
+        assert sum(s["rows"] for s in decoded) >= 3 * c * 7 / 5
+        assert all(s["ms"] > 0 for s in steps) and any(s["prefilled"] or s["carried"] for s in steps)
     assert (tmp_path / "throughput.png").stat().st_size > 0
 
 
