@@ -37,7 +37,7 @@ from medusa.decoding.batch_verify import (
     build_candidates, compaction_slots, emitted_tokens, greedy_verdict, sampled_targets)
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.device_tree import DeviceTree
-from medusa.decoding.host_buffers import host_buffer, overwritten, upload
+from medusa.decoding.host_buffers import host_buffer, overwritten, to_device, upload
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.heads import MedusaHeads
@@ -163,16 +163,18 @@ class DecodeStep:
         return self.max_seqs - len(self._free_rows)
 
     @torch.inference_mode()
-    def set_states(self, rows: list[int], roots: list[int], bases: list[int], last_hidden: torch.Tensor,
+    def set_states(self, rows: list[int], roots: list[int] | torch.Tensor, bases: list[int], last_hidden: torch.Tensor,
                    propose: bool = True, tokens: list[list[int]] | None = None) -> None:
-        """Sequences' pending roots, committed token counts (`bases`) and, with `propose`, the heads'
-        top-k at their last tokens (hidden [n, H]), in one go. Without it a row keeps its last holder's
-        top-k, as after a plain step that skipped the heads: stale proposals cost acceptance, never
-        correctness. `tokens`: each sequence's tokens, its root last, for the lookup history (needed
-        when the step has lookup nodes)."""
-        at = torch.tensor(rows, device=self.device)
-        self.roots[at] = torch.tensor(roots, device=self.device)
-        self.row_base[at] = torch.tensor(bases, device=self.device)
+        """Sequences' pending roots (host ints, or a device tensor [n] the host has not read yet),
+        committed token counts (`bases`) and, with `propose`, the heads' top-k at their last tokens
+        (hidden [n, H]), in one go. Without it a row keeps its last holder's top-k, as after a plain
+        step that skipped the heads: stale proposals cost acceptance, never correctness. `tokens`: each
+        sequence's tokens before its root, for the lookup history, which gets the root after them on
+        the device (needed when the step has lookup nodes)."""
+        # queued copies only: an admission must not wait for the overlapped step still running
+        at = to_device(rows, torch.long, self.device)
+        self.roots[at] = roots if isinstance(roots, torch.Tensor) else to_device(roots, torch.long, self.device)
+        self.row_base[at] = to_device(bases, torch.long, self.device)
         if self.max_lookup:
             if tokens is None:
                 raise ValueError("this decode step proposes lookup tokens: set_states needs each row's tokens")
@@ -182,15 +184,18 @@ class DecodeStep:
             self.topk[at] = logits.topk(self.kmax, dim=-1).indices.transpose(0, 1)  # [n, K, kmax]
 
     def _set_history(self, at: torch.Tensor, tokens: list[list[int]]) -> None:
+        """history[at] = each row's tokens, then its root (already in `roots`)."""
         width = self.history.shape[1] - 1
         longest = max(len(t) for t in tokens)
-        if longest > width:
-            raise ValueError(f"a sequence of {longest} tokens does not fit the lookup history ({width} tokens)")
+        if longest + 1 > width:
+            raise ValueError(f"a sequence of {longest + 1} tokens does not fit the lookup history ({width} tokens)")
         padded = np.zeros((len(tokens), longest), dtype=np.int64)
         for i, row in enumerate(tokens):
             padded[i, : len(row)] = row
-        self.history[at, :longest] = torch.from_numpy(padded).to(self.device)
-        self.history_len[at] = torch.tensor([len(t) for t in tokens], device=self.device)
+        lengths = to_device([len(t) for t in tokens], torch.long, self.device)
+        self.history[at, :longest] = to_device(padded, torch.long, self.device)
+        self.history[at, lengths] = self.roots[at]
+        self.history_len[at] = lengths + 1
 
     # ---- one step ---------------------------------------------------------
 

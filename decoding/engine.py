@@ -14,6 +14,12 @@ nothing decoding, get a prompt forward of their own (replayed from a CUDA graph 
 their token bucket, `prefill_graphs.py`) -> append tokens, check stops, free
 finished sequences.
 
+With overlap (`EngineConfig.overlap`, on with CUDA graphs) a step is launched before the previous
+one is read back, and an admission waits for nothing either: a greedy request's first token is
+drawn on the device, where the next step's tree starts from it, and reaches the host with the
+next step (`_FirstTokens`); only an admission with host work (sampling, logprobs, penalties,
+min_tokens) reads it at once.
+
 With `prompt_lookup=L`, every speculative tree also carries a chain of L nodes
 whose tokens copy what followed the latest earlier occurrence of the sequence's
 last few tokens (`prompt_lookup.py`, computed on the device from each row's token history:
@@ -34,6 +40,7 @@ import torch
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
 from medusa.decoding.decode_step import PendingRows, RowSampling
+from medusa.decoding.host_buffers import to_device
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
@@ -122,6 +129,16 @@ class _InFlight:
     prompt_hidden: torch.Tensor | None = None  # [P, H] of the prompt chunks its forward carried
 
 
+@dataclass
+class _FirstTokens:
+    """First output tokens of admitted greedy rows, drawn on the device and read back a step later, so an
+    admission does not stall the overlapped steps (the next step decodes from the device's roots)."""
+
+    requests: list[_Request]
+    tokens: torch.Tensor  # [n] long on the host (pinned, filled by a non-blocking copy on a GPU)
+    copied: torch.cuda.Event | None  # recorded after that copy; None on a CPU, where it is done
+
+
 def _detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer | FinalDetokenizer | None:
     """Text every step (streaming, or stop strings to look for), else text once at the end."""
     if tokenizer is None:
@@ -178,6 +195,7 @@ class LLMEngine:
         # saves nothing and delays the rest of a prompt by a step); tests turn it on for the CPU
         self.fill_buckets = self.runner.prefill.use_graphs
         self._inflight: _InFlight | None = None
+        self._first_tokens: list[_FirstTokens] = []  # admissions whose first tokens the host has not read
         self._read_back_time = 0.0  # perf_counter when the last overlapped step's tokens were read back
 
     # ---- public API ------------------------------------------------------
@@ -261,7 +279,7 @@ class LLMEngine:
         return {b: _tree_label(self.policy.choose(b)) for b in buckets}
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        return self.scheduler.has_work() or self._inflight is not None or bool(self._first_tokens)
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams()
                  ) -> list[RequestOutput]:
@@ -283,9 +301,10 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         outputs = []
-        plan = self.scheduler.schedule(preempt=self._inflight is None)
+        # a sequence may be preempted only once the host knows all its tokens
+        plan = self.scheduler.schedule(preempt=self._inflight is None and not self._first_tokens)
         if plan is None:  # blocks are short while a step is in flight: its tokens first, then preemption
-            outputs += self._read_back_inflight()
+            outputs += self._catch_up()
             plan = self.scheduler.schedule()
         for seq in plan.preempted:  # its KV is gone; the row is re-leased after recompute
             self._release_row(self.requests[seq.request_id])
@@ -293,15 +312,14 @@ class LLMEngine:
         decodes = [item.seq for item in plan.scheduled if not item.is_prefill]
         tree = self._device_tree(plan.tree)
         overlapped = bool(decodes) and self._can_overlap(decodes)
-        if self._inflight is not None and not overlapped:  # this step needs every token on the host first
-            outputs += self._read_back_inflight(set(decodes), tree.num_nodes)
+        if not overlapped:  # this step needs every token on the host first
+            outputs += self._catch_up(set(decodes), tree.num_nodes)
             decodes = [seq for seq in decodes if not seq.is_finished]  # finished by a token just read back
         prefills, batch, prompts, hidden = self._prefill(prefills, bool(decodes))
         if overlapped:  # launch, then read the previous step back while the device runs this one
             launched = self._launch(decodes, tree, timed=not prefills, prompts=prompts)
             hidden = launched.prompt_hidden if prompts is not None else hidden
-            if self._inflight is not None:
-                outputs += self._read_back_inflight(set(decodes), tree.num_nodes)
+            outputs += self._catch_up(set(decodes), tree.num_nodes)
             self._inflight = launched
         elif decodes:
             decoded, carried = self._decode(decodes, tree, timed=not prefills, prompts=prompts)
@@ -366,6 +384,30 @@ class LLMEngine:
         padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose, prompts)
         return requests, padded, propose, step.forward(tree, padded)
 
+    def _catch_up(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
+        """Everything the device decided that the host has not seen: first tokens of admissions, then the
+        overlapped step in flight (`_read_back_inflight`'s arguments)."""
+        outputs = self._read_first_tokens()
+        if self._inflight is not None:
+            outputs += self._read_back_inflight(ahead, ahead_nodes)
+        return outputs
+
+    def _read_first_tokens(self) -> list[RequestOutput]:
+        """Append the deferred first tokens (`_start_decoding`), with stops and outputs. A request that stops at
+        its first token had a step launched for it already: that step's read-back skips it."""
+        outputs = []
+        for batch in self._first_tokens:
+            if batch.copied is not None:
+                batch.copied.synchronize()
+            for request, token in zip(batch.requests, batch.tokens.tolist()):
+                if self.requests.get(request.seq.request_id) is not request:  # aborted meanwhile
+                    continue
+                emitted = self._append(request, [token])
+                if not request.quiet or request.seq.is_finished:
+                    outputs.append(self._output(request, emitted))
+        self._first_tokens.clear()
+        return outputs
+
     def _read_back_inflight(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
         """The overlapped step's tokens, with stops and outputs as in `_decode`. `ahead`: sequences a later
         step (launched or about to run) writes `ahead_nodes` tree slots for, past this step's tokens."""
@@ -393,16 +435,23 @@ class LLMEngine:
 
         The root is the first output token, except after preemption, when it is already known.
         """
-        last = hidden[torch.tensor([i for _, i in ready], device=self.device)]  # [n, H]
+        last = hidden[to_device([i for _, i in ready], torch.long, self.device)]  # [n, H]
         fresh = [k for k, (request, _) in enumerate(ready) if not request.seq.output_token_ids]
         roots = [request.seq.output_token_ids[-1] if request.seq.output_token_ids else 0 for request, _ in ready]
+        deferred = None
         if fresh:
-            raw = self.model.compute_logits(last[fresh])  # [f, V]
-            argmax = raw.argmax(-1).tolist()  # the step's one sync for plain greedy rows
-            for j, k in enumerate(fresh):
-                request = ready[k][0]
-                plain = request.sampling.greedy and not self._needs_host(request)
-                roots[k] = argmax[j] if plain else self._first_token(request, raw[j:j + 1])
+            at = to_device(fresh, torch.long, self.device)
+            raw = self.model.compute_logits(last[at])  # [f, V]
+            argmax = raw.argmax(-1)  # [f]
+            plain = [ready[k][0].sampling.greedy and not self._needs_host(ready[k][0]) for k in fresh]
+            if self.overlap and all(plain):  # the device keeps the roots; the host reads them a step later
+                roots = to_device(roots, torch.long, self.device)
+                roots[at] = argmax
+                deferred = self._copy_to_host(argmax)
+            else:
+                argmax = argmax.tolist()  # the step's one sync for plain greedy rows
+                for j, k in enumerate(fresh):
+                    roots[k] = argmax[j] if plain[j] else self._first_token(ready[k][0], raw[j:j + 1])
         step = self.runner.decode
         for request, _ in ready:
             request.row = step.acquire_row()
@@ -410,11 +459,13 @@ class LLMEngine:
         # are an eager lm_head per admission, which a batch settled on plain decoding would not use
         propose = self.policy.may_speculate(step.bucket(step.rows_in_use))
         tokens = None
-        if step.max_lookup:  # the lookup history: every token so far, the root last (a fresh row's is new)
-            tokens = [(seq := request.seq).token_ids(0, seq.num_tokens) + ([] if seq.output_token_ids else [root])
-                      for (request, _), root in zip(ready, roots)]
+        if step.max_lookup:  # the lookup history: every token before the root (a fresh row's root is new)
+            tokens = [(seq := request.seq).token_ids(0, prefill_target(seq)) for request, _ in ready]
         bases = [request.seq.num_computed_tokens for request, _ in ready]
         step.set_states([request.row for request, _ in ready], roots, bases, last, propose, tokens)
+        if deferred is not None:
+            self._first_tokens.append(_FirstTokens([ready[k][0] for k in fresh], *deferred))
+            return []
         outputs = []
         for k in fresh:
             request = ready[k][0]
@@ -422,6 +473,16 @@ class LLMEngine:
             if not request.quiet or request.seq.is_finished:
                 outputs.append(self._output(request, emitted))
         return outputs
+
+    def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A non-blocking copy of device tokens [n] to the host -> (host tensor, event after the copy)."""
+        if tokens.device.type != "cuda":
+            return tokens, None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied
 
     def _first_token(self, request: _Request, raw: torch.Tensor) -> int:
         """Output token 0 from raw logits [1, V], with penalties, the min_tokens ban, sampling, logprobs."""

@@ -24,6 +24,14 @@ def upload(buffer: torch.Tensor, values: np.ndarray) -> None:
     buffer[: len(values)].copy_(torch.from_numpy(values), non_blocking=True)
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new tensor of `values` (a list or array) on `device`, without waiting for the device: on a GPU
+    staged in page-locked memory (kept by the caching host allocator until the copy ran) and queued.
+    `torch.tensor(values, device=...)` copies from pageable memory, which waits for every queued step."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
 @contextmanager
 def overwritten(fills: list[tuple[torch.Tensor, int]], kept: tuple[torch.Tensor, ...] = ()):
     """Inside: each static input of `fills` holds its value (padding, for a warm-up and capture that must

@@ -123,8 +123,10 @@ class Scheduler:
             need = min(target - seq.num_computed_tokens, budget) if is_prefill else num_nodes
             if need <= 0 or need > budget:
                 continue
-            lookahead = 0 if is_prefill else need - 1 + seq.num_inflight_tokens
-            count = 1 if not is_prefill else need
+            # a decoding sequence computes its root (known: 1; 0 while only the device has a new request's
+            # first token, `LLMEngine._start_decoding`) and its tree's other nodes, past its steps in flight
+            count = need if is_prefill else seq.num_tokens - seq.num_computed_tokens
+            lookahead = 0 if is_prefill else need - count + seq.num_inflight_tokens
             if not preempt:
                 if self.blocks.try_allocate(seq, count, lookahead) is None:
                     return None

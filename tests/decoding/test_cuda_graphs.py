@@ -31,9 +31,22 @@ def test_graph_engine_matches_batch1_plain_greedy(default_model_dir):
     engine.warmup()
     heads = engine.policy.heads_cost  # timed per bucket: what the heads add to a plain step
     assert set(heads) == set(engine.policy.step_cost) and max(heads.values()) > 0
+    admissions, start = [], engine._start_decoding
+
+    def without_waiting(ready, hidden):  # an admission only queues work: it never waits for the step in flight
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outputs = start(ready, hidden)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        admissions.append(outputs == [] and len(engine._first_tokens) == 1)  # first tokens read a step later
+        return outputs
+
+    engine._start_decoding = without_waiting
     done = run_staggered(engine, prompts, params)  # the batch bucket changes from step to step
     for i, ref in enumerate(references):
         assert done[i].token_ids == ref, i
+    assert admissions and all(admissions)
     assert sum(d.stats.accepted_tokens for d in done.values()) > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     # prompts joined a decoding batch: their chunks rode in decode graphs (key: ..., prompt token bucket)

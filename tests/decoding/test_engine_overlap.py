@@ -58,18 +58,20 @@ def test_overlapped_steps_equal_batch1_greedy_and_free_everything(tiny, mode):
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "tree"])
 def test_a_step_stays_in_flight_until_the_next_one_launches(tiny, speculative):
     """The host is a step behind: its counters and tokens stop at the last step read back, and the blocks
-    back the in-flight step's most tokens too, since the next tree already sits past them on the device."""
+    back the in-flight step's most tokens too, since the next tree already sits past them on the device.
+    A new request's first token too stays on the device until the step after its prefill is launched."""
     model, heads = tiny
     engine = engine_for(model, heads if speculative else None, True, block_size=2)
     tree = max(engine.scheduler.trees, key=lambda t: t.num_nodes)
     engine.scheduler.policy = lambda n: tree
     most = tree.max_depth + 1
     rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
-    first = engine.step()  # prefill: the first token
-    expected = batch1(model, [1, 2, 3], 40)
-    assert [o.new_token_ids for o in first] == [expected[:1]]
-    assert engine.step() == []  # the first decode step is launched and left running
     seq = engine.requests[rid].seq
+    assert engine.step() == []  # prefill: the first token is drawn on the device, not read yet
+    assert seq.output_token_ids == [] and engine._inflight is None and engine.has_unfinished()
+    expected = batch1(model, [1, 2, 3], 40)
+    first = engine.step()  # the first decode step is launched and left running; then the first token is read
+    assert [o.new_token_ids for o in first] == [expected[:1]]
     assert engine._inflight is not None and seq.num_inflight_tokens == most
     assert seq.output_token_ids == expected[:1] and seq.num_computed_tokens == 3
     outs = engine.step()  # schedules and launches the next step, then reads the first one back
@@ -121,6 +123,35 @@ def test_stops_seen_a_step_late_cut_the_output_where_they_happen(tiny):
     synchronous = engine_for(model, heads, False, alternate=True).generate(
         ps, [SamplingParams(max_tokens=16, min_tokens=8, stop_token_ids=(f[5],)) for f in frees])
     assert [o.token_ids for o in held] == [o.token_ids for o in synchronous]
+
+
+def test_first_tokens_read_a_step_late_stop_and_abort_as_synchronous_ones(tiny):
+    """With overlap, an admitted greedy request's first token stays on the device until the next step is
+    launched (an admission does not wait for the device). A request that stops at that token (its stop token,
+    max_tokens=1) has a step launched for it already, which is dropped; one aborted before the token is
+    read is never reported. Outputs, finish reasons and freed blocks are those of synchronous steps."""
+    model, heads = tiny
+    ps = random_prompts(9, VOCAB, 30, seed=13)
+    firsts = [batch1(model, p, 1)[0] for p in ps]
+    params = [SamplingParams(max_tokens=12, stop_token_ids=(firsts[i],)) if i % 3 == 0 else
+              SamplingParams(max_tokens=1 if i % 3 == 1 else 12) for i in range(9)]
+    for h in (None, heads):
+        runs = [engine_for(model, h, overlap).generate(ps, params) for overlap in (False, True)]
+        assert [(o.token_ids, o.finish_reason) for o in runs[1]] == [(o.token_ids, o.finish_reason) for o in runs[0]]
+        assert runs[1][0].token_ids == [] and runs[1][0].finish_reason == "stop"
+        assert runs[1][1].token_ids == firsts[1:2] and runs[1][1].finish_reason == "length"
+    engine = engine_for(model, heads, True)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=10)) for p in ps[:3]]
+    assert engine.step() == [] and len(engine._first_tokens) == 1  # three prefills, their first tokens pending
+    assert engine.abort(ids[1])
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id != ids[1]
+            finals[out.request_id] = out.token_ids
+    assert finals == {ids[0]: batch1(model, ps[0], 10), ids[2]: batch1(model, ps[2], 10)}
+    assert engine.blocks.num_free_blocks == 256 and not engine.blocks.ref_counts.any()
+    assert not engine._first_tokens and engine.runner.decode.rows_in_use == 0
 
 
 @pytest.mark.parametrize("heads_on", [False, True], ids=["plain", "trees"])
