@@ -47,9 +47,14 @@ unlucky timing can switch speculation off, or plain decoding out, for good.
 A plain step that runs the heads (a trial's, or a revisit's, so the speculative
 step after it has proposals) costs more than plain decoding does once settled,
 when the heads are skipped: for a 1B shape's 128k vocabulary, about a tenth of
-the step. Its wall time is charged without the heads (their graph-timed cost,
-`add_heads_cost`), or a trial would make plain decoding look dearer than it is
-and hand the batch size to a tree that loses on the clock.
+the step. Its wall time is charged without the heads (their graph-timed share of
+the step, `add_heads_cost`), or a trial would make plain decoding look dearer than
+it is and hand the batch size to a tree that loses on the clock. A share, not the
+graph-timed seconds taken off with the graph time as a floor: warmup times steps
+at 512 cached tokens a row, and where real contexts are shorter every step beats
+its graph time; floored, plain decoding alone could not (on an 8B shape at 64
+rows, 6.5 ms charged against the 6.1 ms its steps took, which handed the batch to
+a 4-node tree that ran at 0.86x plain decoding, session 11).
 
 A batch size whose trees are untried borrows the decision of the nearest
 smaller batch size that has made one, when that decision is plain decoding: a
@@ -154,8 +159,9 @@ class TreePolicy:
         """A decode step's wall time, host work included, at this (padded) batch size. `proposed`:
         the step ran the heads; a plain one is then charged without them (the module's docstring)."""
         kind = tree.num_nodes > 1
-        if proposed and not kind:
-            seconds = max(seconds - self.heads_cost.get(bucket, 0.0), self.step_cost.get(bucket, {}).get(tree, 0.0))
+        graph = self.step_cost.get(bucket, {}).get(tree, 0.0)
+        if proposed and not kind and graph > 0:  # without the heads' graph-timed share of the step
+            seconds *= graph / (graph + self.heads_cost.get(bucket, 0.0))
         wall = self.wall.setdefault(bucket, {}).setdefault(tree, WallTime())
         wall.add(seconds)
         last, steps = self.run.get(bucket, (kind, 0))
