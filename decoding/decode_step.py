@@ -261,10 +261,12 @@ class DecodeStep:
         """The padded batch size a step of `batch` sequences runs at."""
         return next(x for x in self.buckets if x >= batch) if self.use_graphs else batch
 
-    def capture(self, tree: DeviceTree, padded: int, sampling: bool = False, propose: bool = True) -> None:
-        """Capture this bucket's graphs now rather than at first use (no-op without graphs)."""
+    def capture(self, tree: DeviceTree, padded: int, sampling: bool = False, propose: bool = True,
+                prompts: PromptSegment | None = None) -> None:
+        """Capture this bucket's graphs (carrying `prompts`' token bucket) now rather than at first use
+        (no-op without graphs)."""
         if self.use_graphs:
-            self._graph(tree, padded, sampling, propose)
+            self._graph(tree, padded, sampling, propose, prompts)
 
     @torch.inference_mode()
     def time_step(self, tree: DeviceTree, padded: int, context: int, num_blocks: int, repeats: int = 5,

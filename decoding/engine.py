@@ -258,6 +258,7 @@ class LLMEngine:
         if not accuracies:  # plain decoding only: capture the single-node step
             for bucket in buckets:
                 step.capture(self._device_tree(self.scheduler.tree_for(bucket)), bucket)
+            self._capture_mixed(buckets, lambda bucket: [self.scheduler.tree_for(bucket)])
             return {b: _tree_label(self.scheduler.tree_for(b)) for b in buckets}
         for bucket in buckets:
             for tree in self.scheduler.trees:
@@ -276,7 +277,23 @@ class LLMEngine:
                         with_heads = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks)
                         self.policy.add_heads_cost(bucket, with_heads - seconds)
         self.scheduler.policy = lambda n: self.policy.choose(step.bucket(n))
+        timed = [b for b in buckets if b in self.policy.step_cost]  # the trees each will run first
+        self._capture_mixed(timed, lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]])))
         return {b: _tree_label(self.policy.choose(b)) for b in buckets}
+
+    def _capture_mixed(self, buckets: list[int], trees) -> None:
+        """Capture, for each batch bucket, the decode graphs of `trees(bucket)` carrying each prompt token
+        bucket a mixed step may carry: captured at first use, a level's first requests would wait for
+        dozens of captures (session 11, the default model at 32 requests: 19,819 tok/s, then 32,018)."""
+        prefill = self.runner.prefill
+        sizes = [b for b in prefill.buckets if b <= self.mixed_prompt_tokens]
+        step = self.runner.decode
+        for bucket in buckets:
+            for tree in trees(bucket):
+                propose = self.policy.proposes(bucket, tree)
+                for size in sizes:
+                    step.capture(self._device_tree(tree), bucket, propose=propose,
+                                 prompts=prefill.static_segment(size))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None or bool(self._first_tokens)

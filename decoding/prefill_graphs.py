@@ -148,6 +148,10 @@ class PrefillGraphs:
         where graphs replay, else at its own length (a graph per bucket; eagerly, padding is only waste)."""
         bucket = self.bucket(batch.num_tokens) if self.use_graphs else batch.num_tokens
         self._upload(batch, bucket)
+        return self.static_segment(bucket)
+
+    def static_segment(self, bucket: int) -> PromptSegment:
+        """The static inputs' first `bucket` tokens as a segment, as uploaded last (for a capture)."""
         return PromptSegment(self.input_ids[:bucket], self.positions[:bucket], self.slots[:bucket], self.tables,
                              self.kv_lens, self.query_start, self.causal, self.step_bits[:bucket])
 

@@ -30,6 +30,9 @@ def test_graph_engine_matches_batch1_plain_greedy(default_model_dir):
     assert engine.runner.decode.use_graphs
     engine.warmup()
     heads = engine.policy.heads_cost  # timed per bucket: what the heads add to a plain step
+    mixed = {key for key in engine.runner.decode._graphs if key[-1] > 0}  # captured by warmup, every prompt bucket
+    assert {key[-1] for key in mixed} == {b for b in engine.runner.prefill.buckets if b <= engine.mixed_prompt_tokens}
+    assert {key[0] for key in mixed} == set(engine.policy.step_cost)
     assert set(heads) == set(engine.policy.step_cost) and max(heads.values()) > 0
     admissions, start = [], engine._start_decoding
 
