@@ -4,9 +4,10 @@
 returned, how many sequences its decode forward ran (0: none), the tree's node
 count and the padded batch, the prompt tokens carried in that forward, and the
 prompt tokens of a prefill forward of its own. `trace.summary()` condenses it:
-where the steps' rows and time went, by kind of step. Nothing is synchronised,
-so with overlapped steps a step's time is the host's pace, which the device sets
-once it is the slower side.
+where the steps' rows and time went, by kind of step. Nothing is synchronised.
+With overlapped steps an engine step launches its decode step and then waits
+for the one before it, so its time is mostly its predecessor's device time:
+the summary then charges each step the time of the engine step after it.
 """
 
 from __future__ import annotations
@@ -61,13 +62,16 @@ class StepTrace:
         """Per kind of step (prefill only, plain decode, tree decode; with or without carried prompts):
         steps, total ms, mean rows; and the mean rows of the decode steps in each tenth of the run."""
         kinds: dict[str, dict] = defaultdict(lambda: {"steps": 0, "ms": 0.0, "rows": 0})
-        for s in self.steps:
+        times = [s["ms"] for s in self.steps]
+        if self.engine.overlap:  # the last step's own time was never waited for: it gets its predecessor's
+            times = times[1:] + times[-1:]
+        for s, ms in zip(self.steps, times):
             kind = "prefill" if not s["rows"] else ("plain" if s["nodes"] == 1 else f"tree-{s['nodes']}")
             kind += "+prompts" if s["carried"] else ""
             kind += "+prefill" if s["rows"] and s["prefilled"] else ""
             k = kinds[kind]
             k["steps"] += 1
-            k["ms"] += s["ms"]
+            k["ms"] += ms
             k["rows"] += s["rows"]
         for k in kinds.values():
             k["mean_rows"] = k.pop("rows") / k["steps"]

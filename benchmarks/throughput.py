@@ -172,14 +172,16 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     rows = []
     for mode, medusa in (("plain", None), ("medusa", heads)):
         engine = LLMEngine(base, medusa, config, tokenizer, eos)
+        start = time.perf_counter()
         policy = engine.warmup()
-        print(json.dumps({"model": name, "mode": mode, "tree_policy": policy}), flush=True)
+        warmup = {"warmup_s": time.perf_counter() - start, "decode_graphs": len(engine.runner.decode._graphs)}
+        print(json.dumps({"model": name, "mode": mode, "tree_policy": policy, **warmup}), flush=True)
         run_level(engine, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), 1)
         for c in args.concurrency:
             level = [prompts[i % len(prompts)] for i in range(args.requests_per_slot * c)]  # Spec-Bench has 480
             lengths = answer_lengths(len(level), args.max_tokens, args.length_spread)
             level_params = [replace(params, max_tokens=n) for n in lengths]
-            row = {"model": name, "mode": mode, "concurrency": c,
+            row = {"model": name, "mode": mode, "concurrency": c, **warmup,
                    **median_run(engine, level, level_params, c, args.repeats)}
             if args.profile_steps:  # the same level again, every phase timed
                 with PhaseTimer(engine) as timer:
