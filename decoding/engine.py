@@ -40,8 +40,8 @@ import torch
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
 from medusa.decoding.decode_step import PendingRows, RowSampling
-from medusa.decoding.host_buffers import to_device
 from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.host_buffers import to_device
 from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
