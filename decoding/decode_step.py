@@ -37,7 +37,7 @@ from medusa.decoding.batch_verify import (
     build_candidates, compaction_slots, emitted_tokens, greedy_verdict, sampled_targets)
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.device_tree import DeviceTree
-from medusa.decoding.host_buffers import host_buffer, overwritten, to_device, upload
+from medusa.decoding.host_buffers import PendingCopy, copy_to_host, host_buffer, overwritten, to_device, upload
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.heads import MedusaHeads
@@ -55,19 +55,6 @@ class RowSampling:
     top_k: int
     top_p: float
     uniforms: np.ndarray  # [M + D + 1]: from the host's output count on, M the tokens of steps in flight
-
-
-@dataclass
-class PendingRows:
-    """A step's packed result [B, D + 3] on its way to the host (see `DecodeStep.finish_to_host`)."""
-
-    host: torch.Tensor
-    done: torch.cuda.Event | None  # recorded after the copy; None on the CPU, where the copy is done
-
-    def rows(self) -> list[list[int]]:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host.tolist()
 
 
 @dataclass
@@ -310,17 +297,14 @@ class DecodeStep:
         graphs["g2"].replay()
         return graphs["packed"]
 
-    def finish_to_host(self, tree: DeviceTree, padded: int, rows: int) -> PendingRows:
+    def finish_to_host(self, tree: DeviceTree, padded: int, rows: int) -> PendingCopy:
         """Part 2, and its first `rows` packed rows queued for the host: the caller may launch the next
         step before reading them (an overlapped step; at most two in flight, one buffer each)."""
         packed = self.finish(tree, padded)[:rows]
         if self.device.type != "cuda":
-            return PendingRows(packed, None)
+            return copy_to_host(packed)
         turn, self._result_turn = self._result_turn, 1 - self._result_turn
-        host = self._results[turn][: packed.numel()].view(packed.shape)
-        host.copy_(packed, non_blocking=True)
-        self._result_done[turn].record()
-        return PendingRows(host, self._result_done[turn])
+        return copy_to_host(packed, self._results[turn][: packed.numel()].view(packed.shape), self._result_done[turn])
 
     def override(self, index: list[int], best: list[int], next_tokens: list[int]) -> None:
         """Host-decided verdicts for rows `index` (sampling and friends)."""

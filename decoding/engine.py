@@ -39,9 +39,9 @@ import torch
 
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
-from medusa.decoding.decode_step import PendingRows, RowSampling
+from medusa.decoding.decode_step import RowSampling
 from medusa.decoding.device_tree import DeviceTree
-from medusa.decoding.host_buffers import to_device
+from medusa.decoding.host_buffers import PendingCopy, copy_to_host, to_device
 from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
@@ -122,7 +122,7 @@ class _InFlight:
     tree: DeviceTree
     padded: int
     propose: bool
-    result: PendingRows
+    result: PendingCopy  # its packed rows
     # whether its cost can be read off the time between two read-backs: launched while the step before it was
     # still in flight, and after no prefill (whose device time, and the admission's sync, would land in it)
     timed: bool
@@ -135,8 +135,7 @@ class _FirstTokens:
     admission does not stall the overlapped steps (the next step decodes from the device's roots)."""
 
     requests: list[_Request]
-    tokens: torch.Tensor  # [n] long on the host (pinned, filled by a non-blocking copy on a GPU)
-    copied: torch.cuda.Event | None  # recorded after that copy; None on a CPU, where it is done
+    tokens: PendingCopy  # [n], one per request
 
 
 def _detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer | FinalDetokenizer | None:
@@ -414,8 +413,6 @@ class LLMEngine:
         its first token had a step launched for it already: that step's read-back skips it."""
         outputs = []
         for batch in self._first_tokens:
-            if batch.copied is not None:
-                batch.copied.synchronize()
             for request, token in zip(batch.requests, batch.tokens.tolist()):
                 if self.requests.get(request.seq.request_id) is not request:  # aborted meanwhile
                     continue
@@ -429,7 +426,7 @@ class LLMEngine:
         """The overlapped step's tokens, with stops and outputs as in `_decode`. `ahead`: sequences a later
         step (launched or about to run) writes `ahead_nodes` tree slots for, past this step's tokens."""
         flight, self._inflight = self._inflight, None
-        rows = flight.result.rows()  # waits for the step
+        rows = flight.result.tolist()  # waits for the step
         most = flight.tree.spec.max_depth + 1
         for request in flight.requests:
             request.seq.num_inflight_tokens -= most
@@ -464,7 +461,7 @@ class LLMEngine:
             if self.overlap and all(plain):  # the device keeps the roots; the host reads them a step later
                 roots = to_device(roots, torch.long, self.device)
                 roots[at] = argmax
-                deferred = self._copy_to_host(argmax)
+                deferred = copy_to_host(argmax)
             else:
                 argmax = argmax.tolist()  # the step's one sync for plain greedy rows
                 for j, k in enumerate(fresh):
@@ -481,7 +478,7 @@ class LLMEngine:
         bases = [request.seq.num_computed_tokens for request, _ in ready]
         step.set_states([request.row for request, _ in ready], roots, bases, last, propose, tokens)
         if deferred is not None:
-            self._first_tokens.append(_FirstTokens([ready[k][0] for k in fresh], *deferred))
+            self._first_tokens.append(_FirstTokens([ready[k][0] for k in fresh], deferred))
             return []
         outputs = []
         for k in fresh:
@@ -490,16 +487,6 @@ class LLMEngine:
             if not request.quiet or request.seq.is_finished:
                 outputs.append(self._output(request, emitted))
         return outputs
-
-    def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """A non-blocking copy of device tokens [n] to the host -> (host tensor, event after the copy)."""
-        if tokens.device.type != "cuda":
-            return tokens, None
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return host, copied
 
     def _first_token(self, request: _Request, raw: torch.Tensor) -> int:
         """Output token 0 from raw logits [1, V], with penalties, the min_tokens ban, sampling, logprobs."""

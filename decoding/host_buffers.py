@@ -8,6 +8,7 @@ code fills a reusable NumPy view of such a buffer and uploads it in one copy.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +31,32 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     `torch.tensor(values, device=...)` copies from pageable memory, which waits for every queued step."""
     host = torch.tensor(values, dtype=dtype)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+@dataclass
+class PendingCopy:
+    """A device tensor on its way to the host (`copy_to_host`): `tolist()` waits for the copy alone."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None  # recorded after the copy; None on the CPU, where the copy is done
+
+    def tolist(self) -> list:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+def copy_to_host(tensor: torch.Tensor, host: torch.Tensor | None = None,
+                 done: torch.cuda.Event | None = None) -> PendingCopy:
+    """Queue a copy of `tensor` to the host, into the page-locked `host` (same shape) and recording `done`
+    after it where given, else into new ones; on the CPU the tensor itself."""
+    if tensor.device.type != "cuda":
+        return PendingCopy(tensor, None)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if host is None else host
+    host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event() if done is None else done
+    done.record()
+    return PendingCopy(host, done)
 
 
 @contextmanager
