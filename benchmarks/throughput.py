@@ -3,6 +3,7 @@
     python benchmarks/throughput.py --out out/throughput                       # GPU: default model + 1B/8B shapes
     python benchmarks/throughput.py --models default --out out/tp
     python benchmarks/throughput.py --models default --profile-steps --out out/tp   # + where each step's time goes
+    python benchmarks/throughput.py --models default --concurrency 64 --host-profile --out out/tp   # + the host's work
     python benchmarks/throughput.py --quick --out out/tp-quick                 # CPU smoke run (CI)
     python benchmarks/throughput.py --models default --prompt-lookup 4 --out out/tp-pl4   # + a lookup chain
     python benchmarks/throughput.py --models default --heads out/m2/heads --out out/tp-m2   # other heads (Medusa-2 too)
@@ -43,6 +44,7 @@ from medusa.training.data import DATA_DIR
 from common import SHAPES, sync
 from phases import PhaseTimer
 from step_trace import StepTrace
+from host_profile import HostProfile
 from plotting import pyplot
 
 
@@ -193,6 +195,11 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
                 row["trace"] = trace.summary()
                 path = Path(args.out) / f"trace_{name}_{mode}_c{c}.json"
                 path.write_text(json.dumps(trace.steps))
+            if args.host_profile:  # and again under cProfile: the host's work per step, by function
+                with HostProfile() as profile:
+                    run_level(engine, level, level_params, c)
+                row["host_profile"] = profile.summary()
+                profile.write(Path(args.out) / f"host_profile_{name}_{mode}_c{c}.txt")
             print(json.dumps(row), flush=True)
             rows.append(row)
         del engine
@@ -237,6 +244,8 @@ def main() -> None:
                    help="run each level a second time with every step phase timed (benchmarks/phases.py)")
     p.add_argument("--trace-steps", action="store_true",
                    help="run each level once more recording every engine step (trace_*.json, a summary in the row)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="run each level once more under cProfile (host_profile_*.txt, the top functions in the row)")
     p.add_argument("--no-overlap", action="store_true",
                    help="EngineConfig.overlap=False: no plain step is launched before the last one is read back")
     p.add_argument("--mixed-prompt-tokens", type=int, default=EngineConfig.mixed_prompt_tokens,

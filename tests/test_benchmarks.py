@@ -78,7 +78,8 @@ def test_serving_quick(default_model_dir, tmp_path):
 
 
 def test_throughput_quick(tmp_path):
-    results = run("throughput.py", tmp_path, "--profile-steps", "--trace-steps", "--length-spread", "0.5")
+    results = run("throughput.py", tmp_path, "--profile-steps", "--trace-steps", "--host-profile",
+                  "--length-spread", "0.5")
     rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
     assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 4)}
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -105,6 +106,13 @@ def test_throughput_quick(tmp_path):
         # each request's 7 tokens after its first take decode rows that emit at most 5 (4 heads + root) each
         assert sum(s["rows"] for s in decoded) >= 3 * c * 7 / 5
         assert all(s["ms"] > 0 for s in steps) and any(s["prefilled"] or s["carried"] for s in steps)
+    for (mode, c), row in rows.items():  # --host-profile: and once more under cProfile
+        profile = row["host_profile"]
+        assert profile["seconds"] > 0 and len(profile["top_own_time"]) == 12
+        own = [seconds for _, _, seconds, _ in profile["top_own_time"]]
+        assert own == sorted(own, reverse=True) and own[0] <= profile["seconds"]
+        report = (tmp_path / f"host_profile_tiny_{mode}_c{c}.txt").read_text()
+        assert "engine.py" in report and "(step)" in report
     assert (tmp_path / "throughput.png").stat().st_size > 0
 
 
