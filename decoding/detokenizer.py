@@ -35,10 +35,24 @@ def _decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
         return partial(tokenizer.decode, skip_special_tokens=True)
     cls = type(tokenizer)
     plain = (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerBase.decode
-             and cls._decode is PreTrainedTokenizerFast._decode
-             and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+             and cls._decode is PreTrainedTokenizerFast._decode and not _cleans_up_spaces(tokenizer))
     decode = tokenizer.backend_tokenizer.decode if plain else tokenizer.decode
     return partial(decode, skip_special_tokens=True)
+
+
+def _cleans_up_spaces(tokenizer: Any) -> bool:
+    """Whether transformers' decode would clean up the Rust tokenizer's text (" ." -> "." and the like).
+
+    `clean_up_tokenization_spaces` asks for it, but transformers 5 skips it for a BPE model (the default
+    model's tokenizer: its GGUF conversion sets the flag under transformers 5.17, not under 5.24) unless
+    `clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output` is set; a version without
+    that attribute may clean BPE text too, so the wrapper is kept there.
+    """
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return False
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", None)
+    is_bpe = type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
+    return not (is_bpe and forced is False)
 
 
 class IncrementalDetokenizer:

@@ -57,8 +57,16 @@ def test_the_short_decode_path_gives_the_tokenizers_text(default_model_dir, toke
     for n in (1, 2, 3, 8, 50):  # special tokens included: both must skip them
         ids = [rng.randrange(len(tokenizer)) for _ in range(n)] + [tokenizer.eos_token_id]
         assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+    # asked to clean up spaces, transformers skips it for a BPE model (the flag is set under 5.17): short path
     cleaning = AutoTokenizer.from_pretrained(str(default_model_dir), clean_up_tokenization_spaces=True)
-    assert _decoder(cleaning).func == cleaning.decode  # the wrapper does more there: keep it
+    ids = cleaning.encode("Wait , what ? It 's fine . We 're done !", add_special_tokens=False)
+    assert _decoder(cleaning).func == cleaning.backend_tokenizer.decode
+    assert _decoder(cleaning)(ids) == cleaning.decode(ids, skip_special_tokens=True) == cleaning.decode(
+        ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    forced = AutoTokenizer.from_pretrained(str(default_model_dir), clean_up_tokenization_spaces=True,
+                                           clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    assert _decoder(forced).func == forced.decode  # the wrapper does more there: keep it
+    assert _decoder(forced)(ids) != cleaning.decode(ids, skip_special_tokens=True)  # " ," -> ","
 
 
 def test_multibyte_text_streams_exactly(tokenizer):
