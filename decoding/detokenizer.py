@@ -4,19 +4,27 @@ Text is released only when it can no longer change: a trailing incomplete UTF-8
 sequence (decoded as U+FFFD) is held back, and so is any suffix that could be
 the start of a stop string.
 
-Each step decodes only a short window of tokens, not the whole output: decoding
-everything again would cost O(output length) per step, ~40 us per sequence at
-200 tokens and growing. The window starts at the tokens of the previous
-increment, which give the new tokens their context (a SentencePiece word's
-leading space, a byte-level BPE character split across tokens); the new text is
-the window's text past that context's. It only moves on once the window's text
-does not end inside a UTF-8 character. A test checks, on the default model's
-tokenizer, that the text built this way equals decoding all tokens at once.
+The text comes from one of two sources, the same text either way (a test checks
+both, on the default model's tokenizer, against decoding all tokens at once):
 
-A step decodes twice per sequence (the window and its context). Through a fast
-Hugging Face tokenizer's `decode` each call costs ~2.8 us, three quarters of it
-in transformers' Python wrapper (it type-checks every id), so where the wrapper
-would only call the Rust tokenizer, `_decoder` calls the Rust tokenizer itself.
+- `StreamText`, where the tokenizer is a fast one whose Rust decode is what
+  `decode` returns: the Rust tokenizer's own incremental decoder
+  (`tokenizers.decoders.DecodeStream`, tokenizers >= 0.21), one call per step,
+  ~0.7 us a token on a CPU.
+- `WindowText`, otherwise: each step decodes a short window of tokens, not the
+  whole output (decoding everything again would cost O(output length) per step,
+  ~40 us per sequence at 200 tokens and growing). The window starts at the
+  tokens of the previous increment, which give the new tokens their context (a
+  SentencePiece word's leading space, a byte-level BPE character split across
+  tokens); the new text is the window's text past that context's. It only moves
+  on once the window's text does not end inside a UTF-8 character. Two decodes a
+  step, each ~2.8 us through transformers' Python wrapper (three quarters of it
+  type-checking every id), so `_decoder` calls the Rust tokenizer itself where
+  the wrapper would only call it.
+
+On the H200's host at 64 requests, the wrapper's decodes were 38% of the
+engine's profiled host time (transformers 5.17 sets `clean_up_tokenization_spaces`
+on the default model's tokenizer, which kept the wrapper: see `_cleans_up_spaces`).
 """
 
 from __future__ import annotations
@@ -28,16 +36,20 @@ from typing import Any, Callable, Sequence
 def _decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
     """`ids -> tokenizer.decode(ids, skip_special_tokens=True)`, the same text by a shorter path where
     there is one: a fast tokenizer whose decode is transformers' own and cleans up no spaces."""
+    decode = tokenizer.backend_tokenizer.decode if _decodes_in_rust(tokenizer) else tokenizer.decode
+    return partial(decode, skip_special_tokens=True)
+
+
+def _decodes_in_rust(tokenizer: Any) -> bool:
+    """Whether `tokenizer.decode(ids, skip_special_tokens=True)` is exactly its Rust tokenizer's decode."""
     try:
         from transformers import PreTrainedTokenizerFast
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     except ImportError:  # not a transformers tokenizer then
-        return partial(tokenizer.decode, skip_special_tokens=True)
+        return False
     cls = type(tokenizer)
-    plain = (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerBase.decode
-             and cls._decode is PreTrainedTokenizerFast._decode and not _cleans_up_spaces(tokenizer))
-    decode = tokenizer.backend_tokenizer.decode if plain else tokenizer.decode
-    return partial(decode, skip_special_tokens=True)
+    return (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is PreTrainedTokenizerFast._decode and not _cleans_up_spaces(tokenizer))
 
 
 def _cleans_up_spaces(tokenizer: Any) -> bool:
@@ -55,48 +67,95 @@ def _cleans_up_spaces(tokenizer: Any) -> bool:
     return not (is_bpe and forced is False)
 
 
+class WindowText:
+    """Text of a growing list of ids, by decoding a window of them per call (the module's docstring)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._decode_ids = _decoder(tokenizer)
+        self._context, self._read = 0, 0  # token_ids[_context:_read]: the window's context tokens
+
+    def new_text(self, token_ids: list[int], final: bool) -> str:
+        """Text of the ids past those already turned into text; "" while it ends mid-character
+        (unless `final`: then the incomplete character is decoded as U+FFFD)."""
+        if self._read == len(token_ids):
+            return ""
+        window = token_ids[self._context:]
+        context = self._decode(window[: self._read - self._context])
+        text = self._decode_ids(window)  # never empty
+        if len(text) <= len(context) or (text.endswith("\ufffd") and not final):
+            return ""  # nothing visible yet, or a character still incomplete: wait for more tokens
+        self._context, self._read = self._read, len(token_ids)
+        return text[len(context):]
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._decode_ids(ids) if ids else ""
+
+
+class StreamText:
+    """WindowText's contract through the Rust tokenizer's `DecodeStream` (the module's docstring)."""
+
+    def __init__(self, tokenizer: Any, stream_type: type) -> None:
+        self._rust = tokenizer.backend_tokenizer
+        self._stream = stream_type(skip_special_tokens=True)
+        self._fed = 0  # ids given to the stream
+        self._chars = 0  # characters the stream has returned
+        self._whole_fed = 0  # ids whose text the stream has returned whole (none of it held back)
+
+    def new_text(self, token_ids: list[int], final: bool) -> str:
+        text = ""
+        if self._fed < len(token_ids):
+            text = self._stream.step(self._rust, token_ids[self._fed:]) or ""  # None: a character incomplete
+            self._fed = len(token_ids)
+            self._chars += len(text)
+            if text:
+                self._whole_fed = self._fed
+        if final and self._whole_fed < self._fed:  # the stream holds an incomplete character back: decode it
+            rest = self._rust.decode(token_ids, skip_special_tokens=True)[self._chars:]
+            self._chars, self._whole_fed = self._chars + len(rest), self._fed
+            text += rest
+        return text
+
+
+def _text_source(tokenizer: Any) -> WindowText | StreamText:
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # tokenizers < 0.21
+        return WindowText(tokenizer)
+    return StreamText(tokenizer, DecodeStream) if _decodes_in_rust(tokenizer) else WindowText(tokenizer)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
         self.tokenizer, self.stop = tokenizer, tuple(stop)
-        self._decode_ids = _decoder(tokenizer)
+        self._source = _text_source(tokenizer)
         self.token_ids: list[int] = []
         self.text = ""  # text so far, cut at a stop string once one is seen
         self.released = 0  # characters of self.text already handed out
         self.stopped = False
-        self._decoded = ""  # text of token_ids[:_read], never cut
-        self._context, self._read = 0, 0  # token_ids[_context:_read]: the window's context tokens
+        self._decoded = ""  # text of the ids decoded so far, never cut
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the newly releasable text. Sets `stopped` on a stop string."""
         self.token_ids.extend(token_ids)
         if self.stopped:
             return ""
-        self._decode_window(final=False)
+        new = self._source.new_text(self.token_ids, final=False)
+        if not new:  # nothing decoded: nothing more to release either
+            return ""
+        self._decoded += new
+        if not self.stop:  # no stop string to hold text back for, and `new` never ends mid-character
+            self.text, self.released = self._decoded, len(self._decoded)
+            return new
         return self._after_decode()
 
     def flush(self) -> str:
         """Release everything left (generation ended), a trailing incomplete character included."""
         if not self.stopped:
-            self._decode_window(final=True)
+            self._decoded += self._source.new_text(self.token_ids, final=True)
             self._after_decode()
         return self._release(len(self.text))
-
-    def _decode_window(self, final: bool) -> None:
-        """Extend _decoded with the text of the tokens past _read, unless it ends mid-character."""
-        if self._read == len(self.token_ids):
-            return
-        window = self.token_ids[self._context:]
-        context = self._decode(window[: self._read - self._context])
-        text = self._decode_ids(window)  # never empty
-        if len(text) <= len(context) or (text.endswith("\ufffd") and not final):
-            return  # nothing visible yet, or a character still incomplete: wait for more tokens
-        self._decoded += text[len(context):]
-        self._context, self._read = self._read, len(self.token_ids)
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._decode_ids(ids) if ids else ""
 
     def _after_decode(self) -> str:
         text = self._decoded

@@ -1,10 +1,11 @@
-"""Incremental detokenisation: a window per step, yet the text equals decoding everything at once."""
+"""Incremental detokenisation: a window per step or the Rust DecodeStream, yet the text equals one decode."""
 
 import random
 
 import pytest
 
-from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer, _decoder
+import medusa.decoding.detokenizer as detokenizer
+from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer, StreamText, WindowText, _decoder
 
 TEXT = ("Héllo wörld! 你好，世界。 Emoji: 🦊🚀 — «quotes» and math: ∑ x² ≤ 10.\n"
         "def f(x):\n    return x ** 2  # ünïcode\n") * 3
@@ -15,6 +16,18 @@ def tokenizer(default_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(params=["stream", "window"], autouse=True)
+def source(request, monkeypatch):
+    """Every test runs with each text source: the default tokenizer takes the stream, other tokenizers the window."""
+    if request.param == "window":
+        monkeypatch.setattr(detokenizer, "_text_source", WindowText)
+    return request.param
+
+
+def test_the_default_tokenizer_streams_through_rust(tokenizer, source):
+    assert isinstance(IncrementalDetokenizer(tokenizer)._source, StreamText if source == "stream" else WindowText)
 
 
 def feed(tokenizer, ids, seed, stop=()):
@@ -78,7 +91,8 @@ def test_multibyte_text_streams_exactly(tokenizer):
 
 
 def test_each_step_decodes_a_short_window(tokenizer):
-    """The cost per step must not grow with the output (a whole-output decode would be O(n) per step)."""
+    """The cost per step must not grow with the output (a whole-output decode would be O(n) per step).
+    A tokenizer that is not transformers' fast one (this wrapper) takes the window."""
     ids = tokenizer.encode(TEXT * 4, add_special_tokens=False)
     seen = []
 
@@ -108,3 +122,11 @@ def test_text_never_runs_past_an_unfinished_stop_string(tokenizer):
     out = detok.add(tokenizer.encode("Some answer. END OF", add_special_tokens=False))
     assert out == "Some answer. " and not detok.stopped  # "END OF" may begin the stop string: held back
     assert detok.flush() == "END OF"  # the generation ended without it: release the rest
+
+
+def test_an_unfinished_character_at_the_end_is_released_by_flush(tokenizer):
+    ids = tokenizer.encode("ok 🦊", add_special_tokens=False)
+    byte_ids = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"][:1]  # half a character
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.add(ids) == "ok 🦊" and detok.add(byte_ids) == "" and detok.flush() == "\ufffd"
+    assert detok.text == tokenizer.decode(ids + byte_ids) and detok.flush() == ""
