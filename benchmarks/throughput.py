@@ -77,6 +77,8 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
     or one per prompt)."""
     sync()
     trees_before = engine.stats().steps_per_tree
+    step = engine.runner.decode
+    graphs_before, capture_before = step.num_graphs, step.capture_seconds
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
     queue, finished, in_flight, steps = list(zip(prompts, params)), [], 0, 0
     full_tokens, full_seconds = 0, None  # while every slot is busy: until the last request is admitted
@@ -105,6 +107,8 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
             # drain at scattered steps, left out); None with a single wave
             "full_tok_s": full_tokens / full_seconds if full_seconds else None,
             "engine_steps": steps, "ms_per_step": 1e3 * seconds / steps,
+            # decode graphs captured during the run (not by warmup), and the seconds that took
+            "graphs_captured": step.num_graphs - graphs_before, "capture_s": step.capture_seconds - capture_before,
             # sequences per decode step: below C where requests drain at the end or wait for prefill
             "mean_decode_batch": verify_steps / max(decode_steps, 1),
             "mean_accepted_length": emitted / max(verify_steps, 1),
@@ -146,10 +150,13 @@ def answer_lengths(count: int, mean: int, spread: float) -> list[int]:
 def median_run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
                repeats: int) -> dict:
     """The level `repeats` times on the same engine (its tree policy keeps learning): the run with the
-    median tok/s, and every run's tok/s. A level lasts about a second, and single runs of the same
-    code differed by up to 0.15 in speedup (RESULTS.md, Run E)."""
-    runs = sorted((run_level(engine, prompts, params, concurrency) for _ in range(repeats)), key=lambda r: r["tok_s"])
-    return {**runs[len(runs) // 2], "tok_s_runs": [r["tok_s"] for r in runs]}
+    median tok/s, and every run's tok/s, graphs captured and capture seconds, in run order. A level
+    lasts about a second, and single runs of the same code differed by up to 0.15 in speedup (RESULTS.md,
+    Run E)."""
+    runs = [run_level(engine, prompts, params, concurrency) for _ in range(repeats)]
+    median = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
+    # in run order: a level's first run pays for its trials and for graphs captured at first use
+    return {**median, **{f"{key}_runs": [r[key] for r in runs] for key in ("tok_s", "graphs_captured", "capture_s")}}
 
 
 def bench_model(name: str, args, device, dtype) -> list[dict]:
@@ -176,7 +183,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         engine = LLMEngine(base, medusa, config, tokenizer, eos)
         start = time.perf_counter()
         policy = engine.warmup()
-        warmup = {"warmup_s": time.perf_counter() - start, "decode_graphs": len(engine.runner.decode._graphs)}
+        warmup = {"warmup_s": time.perf_counter() - start, "decode_graphs": engine.runner.decode.num_graphs}
         print(json.dumps({"model": name, "mode": mode, "tree_policy": policy, **warmup}), flush=True)
         run_level(engine, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), 1)
         for c in args.concurrency:

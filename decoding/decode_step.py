@@ -27,6 +27,8 @@ has to back the worst case with blocks (`Sequence.num_inflight_tokens`).
 
 from __future__ import annotations
 
+import time
+
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -132,6 +134,8 @@ class DecodeStep:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.buckets = batch_buckets(max_seqs)
         self._graphs: dict = {}
+        self._shapes: set = set()  # (padded, tree spec, prompt tokens) of the graphs in _graphs
+        self.capture_seconds = 0.0  # spent capturing graphs so far (warmup's and those captured at first use)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._free_rows = list(range(max_seqs - 1, -1, -1))
 
@@ -385,8 +389,21 @@ class DecodeStep:
                prompts: PromptSegment | None = None) -> dict:
         key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, prompts.num_tokens if prompts else 0)
         if key not in self._graphs:
+            start = time.perf_counter()
             self._graphs[key] = self._capture(tree, padded, sampling, key[3], prompts)
+            self._shapes.add((padded, tree.spec, key[4]))
+            self.capture_seconds += time.perf_counter() - start
         return self._graphs[key]
+
+    @property
+    def num_graphs(self) -> int:
+        """(Batch bucket, tree, sampling, proposing, prompt bucket) combinations captured so far."""
+        return len(self._graphs)
+
+    def has_mixed_graph(self, tree: DeviceTree, padded: int, prompt_tokens: int) -> bool:
+        """Whether a graph of `tree` at `padded` rows carrying `prompt_tokens` prompt tokens is captured
+        (with any sampling or proposing flags: one of those is missing only in rare steps)."""
+        return (padded, tree.spec, prompt_tokens) in self._shapes
 
     @torch.inference_mode()
     def _capture(self, tree: DeviceTree, padded: int, sampling: bool, propose: bool,
