@@ -331,7 +331,7 @@ class LLMEngine:
         if not overlapped:  # this step needs every token on the host first
             outputs += self._catch_up(set(decodes), tree.num_nodes)
             decodes = [seq for seq in decodes if not seq.is_finished]  # finished by a token just read back
-        prefills, batch, prompts, hidden = self._prefill(prefills, bool(decodes))
+        prefills, batch, prompts, hidden = self._prefill(prefills, decodes, tree)
         if overlapped:  # launch, then read the previous step back while the device runs this one
             launched = self._launch(decodes, tree, timed=not prefills, prompts=prompts)
             hidden = launched.prompt_hidden if prompts is not None else hidden
@@ -347,18 +347,33 @@ class LLMEngine:
                 outputs += self._start_decoding(ready, hidden)
         return outputs
 
-    def _prefill(self, prefills: list[ScheduledSeq], decoding: bool):
+    def _prefill(self, prefills: list[ScheduledSeq], decodes: list[Sequence], tree: DeviceTree):
         """The step's prompt chunks -> (the chunks run, their batch, the `PromptSegment` the decode step's
         forward carries, or their hidden states [T, H] from a forward of their own; None for what does
         not apply). Beside a decoding batch they ride in its forward if they are few (`mixed_prompt_tokens`),
-        cut to fill a token bucket where graphs pad them (`fill_buckets`): padding costs as much as prompt tokens."""
+        cut to fill a token bucket where graphs pad them (`fill_buckets`): padding costs as much as prompt
+        tokens; and if that step's graph exists or is worth capturing (`_may_carry`)."""
         if not prefills:
             return prefills, None, None, None
-        if decoding and self.fill_buckets:
+        if decodes and self.fill_buckets:
             prefills = _fill_bucket(prefills, self.runner.prefill.buckets, self.mixed_prompt_tokens)
         batch = self.runner.prepare_prefill(prefills)
-        prompts = self.runner.prompt_segment(batch, self.mixed_prompt_tokens) if decoding else None
+        carry = bool(decodes) and self._may_carry(len(decodes), tree, batch)
+        prompts = self.runner.prompt_segment(batch, self.mixed_prompt_tokens) if carry else None
         return prefills, batch, prompts, self.runner.run(batch) if prompts is None else None
+
+    def _may_carry(self, rows: int, tree: DeviceTree, batch) -> bool:
+        """Whether a decode step of `rows` sequences verifying `tree` may carry `batch`'s prompt chunks:
+        without graphs always; with them if the step's graph for the chunks' token bucket is captured,
+        or if the batch size has settled on `tree` (`TreePolicy.settled_on`), so that a capture now
+        serves many steps. A tree on trial, or a revisit's, runs a step or a few: capturing its graph
+        for each prompt bucket it meets (tens of ms each) would stall the first requests of a level,
+        so its steps run the chunks in a prefill forward of their own instead."""
+        step = self.runner.decode
+        if not step.use_graphs or not self.runner.prefill.fits(batch):
+            return True  # nothing to capture (prompt_segment turns a batch that does not fit down)
+        padded, tokens = step.bucket(rows), self.runner.prefill.bucket(batch.num_tokens)
+        return step.has_mixed_graph(tree, padded, tokens) or self.policy.settled_on(padded, tree.spec)
 
     def _commit_prefills(self, prefills: list, batch) -> list[tuple[_Request, int]]:
         """The chunks' KV is (being) written: commit it. -> (request, row of its last prompt token in the

@@ -225,6 +225,15 @@ class TreePolicy:
         speculative, steps = self.run.get(bucket, (False, 0))
         return not speculative and steps + 1 >= REVISIT_STEPS
 
+    def settled_on(self, bucket: int, tree: TreeSpec) -> bool:
+        """Whether this batch size runs `tree` for more than a trial step or a revisit's: its decision,
+        plain decoding where it borrows that, or any tree where no measured policy runs."""
+        if bucket not in self.step_cost:
+            return True
+        if self._borrows_plain(bucket):
+            return tree == self.plain[bucket]
+        return self.decision.get(bucket) == tree
+
     def expected_length(self, tree: TreeSpec) -> float:
         tokens, steps = self.observed.get(tree, (0, 0))
         if tree.lookup:

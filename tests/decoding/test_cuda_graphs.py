@@ -45,11 +45,19 @@ def test_graph_engine_matches_batch1_plain_greedy(default_model_dir):
         admissions.append(outputs == [] and len(engine._first_tokens) == 1)  # first tokens read a step later
         return outputs
 
-    engine._start_decoding = without_waiting
+    captured, capture = [], engine.runner.decode._capture
+
+    def recording(tree, padded, sampling, propose, prompts):  # a graph captured at first use
+        if prompts is not None:
+            captured.append(engine.policy.settled_on(padded, tree.spec))
+        return capture(tree, padded, sampling, propose, prompts)
+
+    engine._start_decoding, engine.runner.decode._capture = without_waiting, recording
     done = run_staggered(engine, prompts, params)  # the batch bucket changes from step to step
     for i, ref in enumerate(references):
         assert done[i].token_ids == ref, i
     assert admissions and all(admissions)
+    assert all(captured)  # on the hot path a mixed graph is captured only for the tree a batch size settled on
     assert sum(d.stats.accepted_tokens for d in done.values()) > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     # prompts joined a decoding batch: their chunks rode in decode graphs (key: ..., prompt token bucket)

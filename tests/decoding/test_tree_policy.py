@@ -303,3 +303,22 @@ def test_trees_scoring_near_the_best_are_tried_before_a_batch_size_decides():
     assert 4 not in ran  # half the best's score: not worth a trial
     assert policy.decision[1] is trees[16] and set(ran[3 * TRIAL_STEPS:]) == {16}
 
+
+
+def test_a_batch_size_is_settled_on_its_decision_not_on_its_trials_or_revisits():
+    """What `LLMEngine._may_carry` asks before capturing a mixed graph for a step's tree."""
+    engine, trees = engine_with_costs({8: {1: 1.0, 4: 1.05}, 16: {1: 1.0, 4: 1.05}}, {1: 1.0, 4: 1.3})
+    policy = engine.policy
+    assert policy.settled_on(2, trees[4]) and policy.settled_on(2, trees[1])  # no measured policy there
+    assert not policy.settled_on(8, trees[4]) and not policy.settled_on(8, trees[1])  # on trial
+    timed(policy, 8, trees[4], 1.05)  # 1.3 tokens for 1.05 s: beats plain by more than the margin
+    timed(policy, 8, trees[1], 1.0)
+    assert policy.decision[8] is trees[4]
+    assert policy.settled_on(8, trees[4]) and not policy.settled_on(8, trees[1])  # plain: a revisit's tree
+    timed(policy, 16, trees[4], 3.0)
+    timed(policy, 16, trees[1], 1.0)
+    assert policy.settled_on(16, trees[1]) and not policy.settled_on(16, trees[4])
+    policy.step_cost[64] = dict(policy.step_cost[16])
+    policy.plain[64] = trees[1]
+    assert 64 not in policy.decision and policy.settled_on(64, trees[1])  # borrowed plain decoding
+    assert not policy.settled_on(64, trees[4])
