@@ -153,8 +153,14 @@ class BlockManager:
         """`allocate` if the pool has room now, else None (and nothing changes).
 
         One plan where `can_allocate` then `allocate` make two: a scheduler
-        does this for every running sequence every step.
+        does this for every running sequence every step, and most steps of a
+        decoding sequence need no new block: those return at once.
         """
+        if seq.block_table and type(num_new_tokens) is int and type(num_lookahead) is int:
+            end = seq.num_computed_tokens + num_new_tokens
+            if (0 <= num_new_tokens and 0 <= num_lookahead and end <= seq.num_tokens
+                    and end + num_lookahead <= len(seq.block_table) * self.block_size):
+                return num_new_tokens  # already backed (no prefix match once a sequence holds blocks)
         hits, num_fresh = self._plan(seq, num_new_tokens, num_lookahead)
         if self._free_blocks_taken(hits, num_fresh) > len(self._free):
             return None

@@ -109,9 +109,14 @@ class _Request:
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (past min_tokens): EOS and stop_token_ids
     sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
     quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
+    host_always: bool = field(init=False)  # logprobs or penalties: every verdict is the host's
+    eos_banned_until: int = field(init=False)  # output tokens before which EOS is banned (min_tokens)
 
     def __post_init__(self) -> None:
-        self.sampling = self.params.sampling()
+        params = self.params
+        self.sampling = params.sampling()
+        self.host_always = params.logprobs is not None or params.has_penalties
+        self.eos_banned_until = 0 if params.ignore_eos else params.min_tokens
 
 
 @dataclass
@@ -532,20 +537,22 @@ class LLMEngine:
         first stop, KV committed, statistics. Sequences finished or aborted since the launch are skipped
         (the step ran one too many for them; nothing is preempted while a step is in flight).
         `ahead`: sequences whose next step is already scheduled, with `ahead_nodes` tree slots."""
-        first = tree.first_lookup_node  # drafts came through the lookup chain if the deepest node is on it
+        # drafts came through the lookup chain if the deepest node is on it (no node is, without one: first == N)
+        first = tree.first_lookup_node
         drafted, depth = tree.num_nodes - 1, tree.spec.max_depth
         outputs, counts, from_lookup = [], [], 0
+        live, commit = self.requests, self.blocks.commit  # looked up once: this loop runs for every row
         for request, row in zip(requests, rows):
             seq, count = request.seq, row[0]
-            if seq.is_finished or self.requests.get(seq.request_id) is not request:
+            if seq.is_finished or live.get(seq.request_id) is not request:
                 continue
-            looked_up = count - 1 if tree.num_lookup and row[-1] >= first else 0
+            looked_up = count - 1 if row[-1] >= first else 0
             _record_step(request.stats, drafted, depth, count, looked_up)
             counts.append(count)
             from_lookup += looked_up
             emitted = self._append(request, row[1:count + 1])
             if not seq.is_finished:
-                self.blocks.commit(seq, count, ahead_nodes if seq in ahead else 0)
+                commit(seq, count, ahead_nodes if seq in ahead else 0)
             if not request.quiet or seq.is_finished:  # a quiet request is reported once, finished
                 outputs.append(self._output(request, emitted))
         self._count_step(tree.spec, counts, from_lookup)
@@ -578,9 +585,8 @@ class LLMEngine:
         self.runner.decode.override(index, best, next_tokens)
 
     def _needs_host(self, request: _Request) -> bool:
-        params = request.params
-        under_min = not params.ignore_eos and request.seq.num_output_tokens < params.min_tokens  # EOS banned somewhere
-        return params.logprobs is not None or under_min or params.has_penalties
+        """Whether the request's rows need the host's verdict: logprobs, penalties, or EOS still banned."""
+        return request.host_always or request.seq.num_output_tokens < request.eos_banned_until
 
     def _row_sampling(self, request: _Request, tree: DeviceTree) -> RowSampling | None:
         """Device-side sampling settings for a sampling row the host does not handle; None otherwise.

@@ -157,6 +157,24 @@ def test_pool_exhaustion_fails_cleanly():
     bm.check_invariants([a, b])
 
 
+def test_a_step_already_backed_takes_no_block_and_bad_counts_still_raise():
+    """try_allocate's early return (a decoding sequence's usual step) changes nothing and checks what the
+    full plan checks."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = Sequence("a", list(range(6)))
+    assert bm.try_allocate(a, 6, num_lookahead=2) == 6 and len(a.block_table) == 2  # slots 0..7
+    bm.commit(a, 5)
+    free, table = bm.num_free_blocks, list(a.block_table)
+    assert bm.try_allocate(a, 1, num_lookahead=2) == 1  # slots 5..7: backed
+    assert a.block_table == table and bm.num_free_blocks == free and a.num_computed_tokens == 5
+    assert bm.try_allocate(a, 1, num_lookahead=3) == 1 and len(a.block_table) == 3  # slot 8: a new block
+    for bad in ({"num_new_tokens": 2}, {"num_new_tokens": -1}, {"num_new_tokens": True},
+                {"num_new_tokens": 1, "num_lookahead": -1}):
+        with pytest.raises(ValueError):
+            bm.try_allocate(a, **bad)
+    bm.check_invariants([a])
+
+
 def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(0)
