@@ -123,19 +123,16 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 
 
 def policy_view(engine: LLMEngine, concurrency: int) -> dict:
-    """What the tree policy believes at this level's batch size: the share of recent steps that carried prompt
-    chunks, and per tree graph-timed and charged ms per step (charged: the median wall time once tried, plus
-    that share of what carrying prompts adds), the steps it was wall-timed, its expected tokens per step."""
+    """What the tree policy believes at this level's batch size, per tree: graph-timed and charged ms per step
+    (charged: the median wall time once tried), the steps it was wall-timed, its expected tokens per step."""
     policy, bucket = engine.policy, engine.runner.decode.bucket(concurrency)
     view = {}
     for tree, graph in policy.step_cost.get(bucket, {}).items():
-        wall, mixed = policy.wall.get(bucket, {}).get(tree), policy.mixed.get(bucket, {}).get(tree)
+        wall = policy.wall.get(bucket, {}).get(tree)
         view[tree.name or f"{tree.num_nodes}-node tree"] = {
             "graph_ms": 1e3 * graph, "charged_ms": 1e3 * policy.cost(bucket, tree),
-            "timed_steps": wall.steps if wall else 0, "expected_tokens": policy.expected_length(tree),
-            # steps that carried prompt chunks, timed apart: how many, their median ms
-            "mixed_steps": mixed.steps if mixed else 0, "mixed_ms": 1e3 * mixed.seconds if mixed else None}
-    return {"carry_share": policy.carry_share(bucket), **view} if view else view
+            "timed_steps": wall.steps if wall else 0, "expected_tokens": policy.expected_length(tree)}
+    return view
 
 
 def answer_lengths(count: int, mean: int, spread: float) -> list[int]:

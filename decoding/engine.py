@@ -129,7 +129,7 @@ class _InFlight:
     propose: bool
     result: PendingCopy  # its packed rows
     # whether its cost can be read off the time between two read-backs: launched while the step before it was
-    # still in flight, and beside no prompt forward of its own (whose device time would land in it)
+    # still in flight, and after no prefill (whose device time, and the admission's sync, would land in it)
     timed: bool
     prompt_hidden: torch.Tensor | None = None  # [P, H] of the prompt chunks its forward carried
 
@@ -337,15 +337,13 @@ class LLMEngine:
             outputs += self._catch_up(set(decodes), tree.num_nodes)
             decodes = [seq for seq in decodes if not seq.is_finished]  # finished by a token just read back
         prefills, batch, prompts, hidden = self._prefill(prefills, decodes, tree)
-        # a step is timed for the policy unless a prompt forward of its own ran beside it (one it carried is its cost)
-        timed = not prefills or prompts is not None
         if overlapped:  # launch, then read the previous step back while the device runs this one
-            launched = self._launch(decodes, tree, timed=timed, prompts=prompts)
+            launched = self._launch(decodes, tree, timed=not prefills, prompts=prompts)
             hidden = launched.prompt_hidden if prompts is not None else hidden
             outputs += self._catch_up(set(decodes), tree.num_nodes)
             self._inflight = launched
         elif decodes:
-            decoded, carried = self._decode(decodes, tree, timed=timed, prompts=prompts)
+            decoded, carried = self._decode(decodes, tree, timed=not prefills, prompts=prompts)
             outputs += decoded
             hidden = carried if prompts is not None else hidden
         if batch is not None:
@@ -461,8 +459,7 @@ class LLMEngine:
         # speculation requests finish, so prompts are admitted, at scattered steps: its revisits, at 8B and
         # 64 requests, charged plain decoding twice its step (session 9).
         if flight.padded in self.policy.step_cost and flight.timed:
-            self.policy.observe_step(flight.padded, flight.tree.spec, now - self._read_back_time, flight.propose,
-                                     carried=flight.prompt_hidden is not None)
+            self.policy.observe_step(flight.padded, flight.tree.spec, now - self._read_back_time, flight.propose)
         self._read_back_time = now
         return outputs
 
@@ -531,7 +528,7 @@ class LLMEngine:
         packed = self.runner.decode.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
         outputs = self._apply_rows(requests, tree, packed)
         if timed and padded in self.policy.step_cost:  # the measured policy is on: it learns what steps cost
-            self.policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose, carried=prompts is not None)
+            self.policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
         return outputs, part1.prompt_hidden
 
     def _apply_rows(self, requests: list[_Request], tree: DeviceTree, rows: list[list[int]],

@@ -56,17 +56,6 @@ its graph time; floored, plain decoding alone could not (on an 8B shape at 64
 rows, 6.5 ms charged against the 6.1 ms its steps took, which handed the batch to
 a 4-node tree that ran at 0.86x plain decoding, session 11).
 
-A decode step that carries prompt chunks in its forward (`EngineConfig.mixed_prompt_tokens`) costs more,
-and more for a tree than for plain decoding once the tree's tokens and the prompt's make the step
-compute-bound: on an 8B shape at 64 rows the prompts added 2.74 ms to a 4-node tree's 9.27 ms step but
-0.95 ms to plain decoding's 5.87 ms (session 11's traces), and 60% of that tree's steps carried prompts.
-Timed apart (`mixed`), these steps charge each tree the share of recent steps at its batch size that
-carried prompts (`carry_share`) times what carrying adds to that tree's step: its own mixed steps'
-median over its unmixed one once it has CARRY_STEPS of them, else plain decoding's (a floor: no
-tree's step grows less), so a tree is tried at its unmixed price and corrected once it runs in the
-traffic. Without these steps, trees at 8B and 64 rows were charged 1.58x a plain step where they cost
-1.68x, and a 4-node tree that accepted 1.65 tokens ran 0.92x plain decoding.
-
 A batch size whose trees are untried borrows the decision of the nearest
 smaller batch size that has made one, when that decision is plain decoding: a
 tree costs more against a plain step the more rows it has while it accepts the
@@ -95,8 +84,6 @@ SETTLE_STEPS = 8  # a batch size running its decided tree re-decides every SETTL
 # Speculation must promise this many times plain decoding's tokens per second: near a tie, noise and the
 # costs outside the timed steps (scattered finishes: empty rows, admissions a few at a time; heads for new rows) decide
 MARGIN = 1.1
-CARRY_WINDOW = 32  # decode steps at a batch size over which the share that carried prompt chunks is taken
-CARRY_STEPS = 3  # mixed steps of a tree at a batch size before its own prompt-carrying cost is trusted there
 # tokens of pseudo-evidence that the heads are as good as their accuracies say: the calibration starts at
 # 1 and a 64-node tree's four trial steps (a prior of about 0.8 tokens beyond the root each) halve it
 CALIBRATION_TOKENS = 4.0
@@ -134,8 +121,6 @@ class TreePolicy:
         self._lookup_gain = (0.0, 0)  # over lookup trees with a prior: (tokens beyond the prior, sequence-steps)
         self._heads_evidence = (0.0, 0.0)  # over heads-only trees: (tokens beyond the root, as predicted)
         self.wall: dict[int, dict[TreeSpec, WallTime]] = {}  # bucket -> tree -> measured wall time
-        self.mixed: dict[int, dict[TreeSpec, WallTime]] = {}  # the same, of steps that carried prompt chunks
-        self._carried: dict[int, deque] = {}  # bucket -> whether each of its latest decode steps carried prompts
         self.run: dict[int, tuple[bool, int]] = {}  # bucket -> (speculative, steps in a row of that kind)
         self.decision: dict[int, TreeSpec] = {}  # bucket -> its best tree, once it and plain are tried
         self.speculated: set[int] = set()  # buckets where some speculative tree has run its trial
@@ -170,21 +155,18 @@ class TreePolicy:
             self._heads_evidence = (got + emitted - sequence_steps,
                                     predicted + (self.prior[tree] - 1.0) * sequence_steps)
 
-    def observe_step(self, bucket: int, tree: TreeSpec, seconds: float, proposed: bool = False,
-                     carried: bool = False) -> None:
+    def observe_step(self, bucket: int, tree: TreeSpec, seconds: float, proposed: bool = False) -> None:
         """A decode step's wall time, host work included, at this (padded) batch size. `proposed`:
-        the step ran the heads; a plain one is then charged without them. `carried`: its forward also
-        ran prompt chunks (both in the module's docstring)."""
+        the step ran the heads; a plain one is then charged without them (the module's docstring)."""
         kind = tree.num_nodes > 1
         graph = self.step_cost.get(bucket, {}).get(tree, 0.0)
         if proposed and not kind and graph > 0:  # without the heads' graph-timed share of the step
             seconds *= graph / (graph + self.heads_cost.get(bucket, 0.0))
-        self._carried.setdefault(bucket, deque(maxlen=CARRY_WINDOW)).append(carried)
-        wall = (self.mixed if carried else self.wall).setdefault(bucket, {}).setdefault(tree, WallTime())
+        wall = self.wall.setdefault(bucket, {}).setdefault(tree, WallTime())
         wall.add(seconds)
         last, steps = self.run.get(bucket, (kind, 0))
         self.run[bucket] = (kind, steps + 1 if last == kind else 1)
-        if kind and not carried and wall.steps >= TRIAL_STEPS:
+        if kind and wall.steps >= TRIAL_STEPS:
             self.speculated.add(bucket)
         # A decided tree's numbers move little from one of its steps to the next: re-deciding every
         # SETTLE_STEPS of them keeps the policy's host time per step small. A trial step or a
@@ -197,7 +179,7 @@ class TreePolicy:
         """Refresh the host time charged to untried trees here and decision[bucket]: the best tree
         once it and plain have run their trials (none while either is untried)."""
         graph = self.step_cost[bucket]
-        extra = [(tree.num_nodes > 1, wall.seconds - graph[tree]) for tree, wall in self.wall.get(bucket, {}).items()
+        extra = [(tree.num_nodes > 1, wall.seconds - graph[tree]) for tree, wall in self.wall[bucket].items()
                  if wall.steps >= TRIAL_STEPS and tree in graph]  # (speculative, host seconds) per tried tree
         for kind in (False, True, None):
             seconds = [host for speculative, host in extra if kind in (None, speculative)]
@@ -212,30 +194,11 @@ class TreePolicy:
 
     def cost(self, bucket: int, tree: TreeSpec) -> float:
         """Seconds per step: measured wall time once tried, else graph time plus the host time
-        measured here for trees of its kind, else for any tree (0 before any); plus, for the share of
-        steps here that carry prompt chunks, what carrying them adds to the tree's step."""
+        measured here for trees of its kind, else for any tree (0 before any)."""
         if self._tried(bucket, tree):
-            unmixed = self.wall[bucket][tree].seconds
-        else:
-            host = self._host.get((bucket, tree.num_nodes > 1), self._host.get((bucket, None), 0.0))
-            unmixed = self.step_cost[bucket][tree] + host
-        share = self.carry_share(bucket)
-        return unmixed + share * self._carry_cost(bucket, tree) if share else unmixed
-
-    def carry_share(self, bucket: int) -> float:
-        """The share of the latest CARRY_WINDOW decode steps at this batch size that carried prompt chunks."""
-        recent = self._carried.get(bucket)
-        return sum(recent) / len(recent) if recent else 0.0
-
-    def _carry_cost(self, bucket: int, tree: TreeSpec) -> float:
-        """Seconds that carrying prompt chunks adds to a step of `tree` here: its own mixed steps' median
-        over its unmixed one once it has CARRY_STEPS of both, else plain decoding's (0 before that's known)."""
-        plain = self.plain[bucket]
-        for candidate in (tree, plain):
-            mixed = self.mixed.get(bucket, {}).get(candidate)
-            if mixed is not None and mixed.steps >= CARRY_STEPS and self._tried(bucket, candidate):
-                return max(0.0, mixed.seconds - self.wall[bucket][candidate].seconds)
-        return 0.0
+            return self.wall[bucket][tree].seconds
+        host = self._host.get((bucket, tree.num_nodes > 1), self._host.get((bucket, None), 0.0))
+        return self.step_cost[bucket][tree] + host
 
     def proposes(self, bucket: int, tree: TreeSpec) -> bool:
         """Whether a step of `tree` at this batch size must run the heads for the next step:

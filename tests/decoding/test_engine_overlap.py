@@ -212,38 +212,25 @@ def test_seeded_sampling_and_host_rows_are_unchanged_by_overlap(tiny):
     assert tokens[0] == tokens[1] and tokens[2] == tokens[3] and tokens[4] == tokens[5]
 
 
-def test_steps_beside_a_prompt_forward_teach_the_policy_nothing_and_steps_carrying_prompts_say_so(tiny):
-    """A prompt forward of its own lands its device time in the wall time of the decode step that runs beside
-    it: such steps are not timed. A decode step whose forward carried the prompt chunks is timed, as one that
-    carried them (`carried`: the policy charges them apart). Synchronous steps are timed within their engine
-    step; an overlapped one between the read-backs of the steps before it and of it, one engine step later."""
+def test_steps_sharing_their_time_with_a_prefill_teach_the_policy_nothing(tiny):
+    """A prefill's device time (and the admission's sync) lands in the wall time of the decode step that runs
+    after it: such steps are not timed. Synchronous steps are timed within their engine step; an overlapped
+    one between the read-backs of the steps before it and of it, so it is read back one engine step later."""
     model, heads = tiny
     ps = random_prompts(12, VOCAB, 30, seed=11)
-    for overlap, mixed in ((False, 512), (True, 512), (False, 0), (True, 0)):
+    for overlap in (False, True):
         engine = engine_for(model, heads, overlap)
-        engine.mixed_prompt_tokens = mixed
         for tree in engine.scheduler.trees:  # a measured policy at every batch size, so that steps get timed
             engine.policy.add_prior(tree, unmeasured_prior(4))
             for bucket in range(1, 65):
                 engine.policy.add_cost(bucket, tree, 1e-3)
-        steps, own, carrying, timed = [], set(), set(), {}
-        step, run, segment, observe = engine.step, engine.runner.run, engine.runner.prompt_segment, engine.policy.observe_step
+        steps, prefilled, timed = [], set(), []
+        step, prepare, observe = engine.step, engine.runner.prepare_prefill, engine.policy.observe_step
         engine.step = lambda: steps.append(1) or step()
-        engine.runner.run = lambda batch: own.add(len(steps)) or run(batch)  # a prompt forward of its own
-
-        def carried_segment(batch, limit):
-            found = segment(batch, limit)
-            if found is not None:
-                carrying.add(len(steps))
-            return found
-
-        def observed(*args, carried=False, **kwargs):
-            timed[len(steps) - 1 if overlap else len(steps)] = carried  # the engine step the timed step ran in
-            return observe(*args, carried=carried, **kwargs)
-
-        engine.runner.prompt_segment, engine.policy.observe_step = carried_segment, observed
+        # every prompt chunk, in a forward of its own or carried by the decode step's
+        engine.runner.prepare_prefill = lambda items: prefilled.add(len(steps)) or prepare(items)
+        engine.policy.observe_step = lambda *a, **kw: timed.append(len(steps)) or observe(*a, **kw)
         done = run_staggered(engine, ps, [SamplingParams(max_tokens=6 + 3 * (i % 4)) for i in range(12)], per_step=1)
-        assert len(done) == 12 and len(timed) > 10 and len(own | carrying) >= 12
-        assert not own & set(timed), (overlap, mixed)
-        assert {i for i, carried in timed.items() if carried} == carrying & set(timed), (overlap, mixed)
-        assert bool(carrying & set(timed)) == bool(mixed)
+        assert len(done) == 12 and len(prefilled) >= 12 and len(timed) > 10
+        launched_in = [i - 1 for i in timed] if overlap else timed  # the engine step each timed step ran in
+        assert not prefilled & set(launched_in), overlap

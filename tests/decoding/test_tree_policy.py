@@ -322,28 +322,3 @@ def test_a_batch_size_is_settled_on_its_decision_not_on_its_trials_or_revisits()
     policy.plain[64] = trees[1]
     assert 64 not in policy.decision and policy.settled_on(64, trees[1])  # borrowed plain decoding
     assert not policy.settled_on(64, trees[4])
-
-
-def test_a_tree_is_charged_for_the_prompt_chunks_its_steps_carry():
-    """Session 11's 8B shape at 64 rows: a 4-node tree's step 9.27 ms, 12.01 ms when it carries prompt
-    chunks (plain decoding: 5.87 ms). Unmixed it beats plain by more than the margin; once 60% of the
-    steps carry prompts, the tree is charged for them and plain decoding takes the batch size back."""
-    from medusa.decoding.tree_policy import CARRY_WINDOW
-
-    for share in (0.0, 0.6):
-        engine, trees = engine_with_costs({64: {1: 5.87e-3, 4: 9.27e-3}}, {1: 1.0, 4: 1.8})
-        policy = engine.policy
-        timed(policy, 64, trees[4], 9.27e-3)
-        timed(policy, 64, trees[1], 5.87e-3)
-        assert policy.decision[64] is trees[4] and policy.carry_share(64) == 0.0
-        for i in range(CARRY_WINDOW):
-            tree = engine.scheduler.tree_for(64)
-            carried = (i % 5) < 5 * share
-            policy.observe_step(64, tree, (12.01e-3 if carried else 9.27e-3) if tree is trees[4] else 5.87e-3,
-                                carried=carried)
-        assert abs(policy.carry_share(64) - share) < 0.05
-        if share:
-            assert abs(policy.cost(64, trees[4]) - (9.27e-3 + policy.carry_share(64) * 2.74e-3)) < 1e-6
-            assert policy.decision[64] is trees[1]
-        else:
-            assert policy.cost(64, trees[4]) == 9.27e-3 and policy.decision[64] is trees[4]
