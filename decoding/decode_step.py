@@ -28,7 +28,6 @@ has to back the worst case with blocks (`Sequence.num_inflight_tokens`).
 from __future__ import annotations
 
 import time
-
 from contextlib import nullcontext
 from dataclasses import dataclass
 
