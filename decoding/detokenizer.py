@@ -117,11 +117,30 @@ class StreamText:
 
 
 def _text_source(tokenizer: Any) -> WindowText | StreamText:
-    try:
-        from tokenizers.decoders import DecodeStream
-    except ImportError:  # tokenizers < 0.21
+    if not _decodes_in_rust(tokenizer):
         return WindowText(tokenizer)
-    return StreamText(tokenizer, DecodeStream) if _decodes_in_rust(tokenizer) else WindowText(tokenizer)
+    stream = _stream_type(tokenizer.backend_tokenizer)
+    return StreamText(tokenizer, stream) if stream is not None else WindowText(tokenizer)
+
+
+_STREAM_TYPES: dict[str, type | None] = {}  # tokenizers version -> its DecodeStream, if it takes a list of ids
+
+
+def _stream_type(rust: Any) -> type | None:
+    """tokenizers' `DecodeStream`, where it exists (>= 0.21) and its `step` takes a list of ids (a step
+    may add several tokens); checked once per tokenizers version."""
+    import tokenizers
+
+    version = getattr(tokenizers, "__version__", "")
+    if version not in _STREAM_TYPES:
+        try:
+            from tokenizers.decoders import DecodeStream
+
+            DecodeStream(skip_special_tokens=True).step(rust, [0])
+            _STREAM_TYPES[version] = DecodeStream
+        except (ImportError, TypeError):
+            _STREAM_TYPES[version] = None
+    return _STREAM_TYPES[version]
 
 
 class IncrementalDetokenizer:

@@ -130,3 +130,22 @@ def test_an_unfinished_character_at_the_end_is_released_by_flush(tokenizer):
     detok = IncrementalDetokenizer(tokenizer)
     assert detok.add(ids) == "ok 🦊" and detok.add(byte_ids) == "" and detok.flush() == "\ufffd"
     assert detok.text == tokenizer.decode(ids + byte_ids) and detok.flush() == ""
+
+
+def test_a_decode_stream_that_takes_one_id_at_a_time_falls_back_to_the_window(tokenizer, source, monkeypatch):
+    """tokenizers releases whose DecodeStream.step takes no list of ids: the windowed decode, same text."""
+    import tokenizers.decoders
+
+    class OneAtATime:
+        def __init__(self, skip_special_tokens=False):
+            pass
+
+        def step(self, rust, token_id):
+            if not isinstance(token_id, int):
+                raise TypeError("argument 'id': 'list' object cannot be interpreted as an integer")
+
+    monkeypatch.setattr(tokenizers.decoders, "DecodeStream", OneAtATime)
+    monkeypatch.setattr(detokenizer, "_STREAM_TYPES", {})
+    detok, released = feed(tokenizer, tokenizer.encode(TEXT, add_special_tokens=False), 2)
+    assert isinstance(detok._source, WindowText) and released == tokenizer.decode(tokenizer.encode(TEXT),
+                                                                                   skip_special_tokens=True)
