@@ -16,7 +16,8 @@ plain decoding's equal-length requests finish together, Medusa's at scattered
 steps, so with 3 rounds (sessions 2-5) a third of Medusa's steps ran part-empty
 (`mean_decode_batch` 51.5 against plain's 63.5 for the 8B shape at C = 64); 8
 rounds measure the steady state a server sees. Each level runs --repeats times on the
-same engine and the median run is reported. The default model runs Spec-Bench first turns with
+same engine and the median run is reported; plain and Medusa runs alternate (both engines
+stay loaded), and `speedup_runs` gives each Medusa run over the plain run just before it. The default model runs Spec-Bench first turns with
 its shipped heads. The Llama-3.2-1B and Llama-3.1-8B shapes have random weights
 and random heads, which accept almost nothing: those rows measure what
 speculation *costs* (the adaptive tree must keep it near 1.0x), not what it
@@ -147,16 +148,32 @@ def answer_lengths(count: int, mean: int, spread: float) -> list[int]:
     return torch.randint(low, high + 1, (count,), generator=g).tolist()
 
 
-def median_run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
-               repeats: int) -> dict:
-    """The level `repeats` times on the same engine (its tree policy keeps learning): the run with the
-    median tok/s, and every run's tok/s, graphs captured and capture seconds, in run order. A level
-    lasts about a second, and single runs of the same code differed by up to 0.15 in speedup (RESULTS.md,
-    Run E)."""
-    runs = [run_level(engine, prompts, params, concurrency) for _ in range(repeats)]
+def summarize_runs(runs: list[dict]) -> dict:
+    """A level's runs on one engine (its tree policy keeps learning): the run with the median tok/s, and every
+    run's tok/s, graphs captured and capture seconds, in run order. A level lasts about a second, and single
+    runs of the same code differed by up to 0.15 in speedup (RESULTS.md, Run E)."""
     median = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
     # in run order: a level's first run pays for its trials and for graphs captured at first use
     return {**median, **{f"{key}_runs": [r[key] for r in runs] for key in ("tok_s", "graphs_captured", "capture_s")}}
+
+
+def diagnose(row: dict, engine: LLMEngine, args, level: list[list[int]], params: list[SamplingParams]) -> None:
+    """The level again once per diagnosis asked for (--profile-steps, --trace-steps, --host-profile), into `row`."""
+    c, tag = row["concurrency"], f"{row['model']}_{row['mode']}_c{row['concurrency']}"
+    if args.profile_steps:  # the same level again, every phase timed
+        with PhaseTimer(engine) as timer:
+            run_level(engine, level, params, c)
+        row["phases"] = timer.report()
+    if args.trace_steps:  # and again with every engine step recorded
+        with StepTrace(engine) as trace:
+            run_level(engine, level, params, c)
+        row["trace"] = trace.summary()
+        (Path(args.out) / f"trace_{tag}.json").write_text(json.dumps(trace.steps))
+    if args.host_profile:  # and again under cProfile: the host's work per step, by function
+        with HostProfile() as profile:
+            run_level(engine, level, params, c)
+        row["host_profile"] = profile.summary()
+        profile.write(Path(args.out) / f"host_profile_{tag}.txt")
 
 
 def bench_model(name: str, args, device, dtype) -> list[dict]:
@@ -178,7 +195,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     config = EngineConfig(num_blocks=args.num_blocks, trees=config.trees, scheduler=scheduler,
                           prompt_lookup=args.prompt_lookup, overlap=overlap,
                           mixed_prompt_tokens=args.mixed_prompt_tokens)
-    rows = []
+    engines = {}  # mode -> (engine, its warmup figures); both stay alive so that their runs can alternate
     for mode, medusa in (("plain", None), ("medusa", heads)):
         engine = LLMEngine(base, medusa, config, tokenizer, eos)
         start = time.perf_counter()
@@ -186,36 +203,32 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         warmup = {"warmup_s": time.perf_counter() - start, "decode_graphs": engine.runner.decode.num_graphs}
         print(json.dumps({"model": name, "mode": mode, "tree_policy": policy, **warmup}), flush=True)
         run_level(engine, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), 1)
-        for c in args.concurrency:
-            level = [prompts[i % len(prompts)] for i in range(args.requests_per_slot * c)]  # Spec-Bench has 480
-            lengths = answer_lengths(len(level), args.max_tokens, args.length_spread)
-            level_params = [replace(params, max_tokens=n) for n in lengths]
-            row = {"model": name, "mode": mode, "concurrency": c, **warmup,
-                   **median_run(engine, level, level_params, c, args.repeats)}
-            if args.profile_steps:  # the same level again, every phase timed
-                with PhaseTimer(engine) as timer:
-                    run_level(engine, level, level_params, c)
-                row["phases"] = timer.report()
-            if args.trace_steps:  # and again with every engine step recorded
-                with StepTrace(engine) as trace:
-                    run_level(engine, level, level_params, c)
-                row["trace"] = trace.summary()
-                path = Path(args.out) / f"trace_{name}_{mode}_c{c}.json"
-                path.write_text(json.dumps(trace.steps))
-            if args.host_profile:  # and again under cProfile: the host's work per step, by function
-                with HostProfile() as profile:
-                    run_level(engine, level, level_params, c)
-                row["host_profile"] = profile.summary()
-                profile.write(Path(args.out) / f"host_profile_{name}_{mode}_c{c}.txt")
+        engines[mode] = (engine, warmup)
+    rows = []
+    for c in args.concurrency:
+        level = [prompts[i % len(prompts)] for i in range(args.requests_per_slot * c)]  # Spec-Bench has 480
+        lengths = answer_lengths(len(level), args.max_tokens, args.length_spread)
+        level_params = [replace(params, max_tokens=n) for n in lengths]
+        # plain and Medusa runs alternate: the machine's speed drifts (up to 35% between runs of one level in
+        # one lease, RESULTS.md Run O), and a drift then lands on both modes' runs alike
+        runs = {mode: [] for mode in engines}
+        for _ in range(args.repeats):
+            for mode, (engine, _) in engines.items():
+                runs[mode].append(run_level(engine, level, level_params, c))
+        for mode, (engine, warmup) in engines.items():
+            row = {"model": name, "mode": mode, "concurrency": c, **warmup, **summarize_runs(runs[mode])}
+            diagnose(row, engine, args, level, level_params)
             print(json.dumps(row), flush=True)
             rows.append(row)
-        del engine
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    del engines, engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     plain = {r["concurrency"]: r for r in rows if r["mode"] == "plain"}
     for r in rows:
         base = plain[r["concurrency"]]
         r["speedup"] = r["tok_s"] / base["tok_s"]
+        # each run over the plain run just before it: the pairs share the machine's speed of the moment
+        r["speedup_runs"] = [m / p for m, p in zip(r["tok_s_runs"], base["tok_s_runs"])]
         r["full_speedup"] = r["full_tok_s"] / base["full_tok_s"] if r["full_tok_s"] and base["full_tok_s"] else None
     return rows
 
@@ -289,8 +302,10 @@ def main() -> None:
                                                    "rows": rows}, indent=2))
     plot(rows, out / "throughput.png")
     for r in rows:
+        pairs = "-".join(f"{x:.2f}" for x in (min(r["speedup_runs"]), max(r["speedup_runs"])))
         print(f"{r['model']:>14} {r['mode']:>6} C={r['concurrency']:<3} {r['tok_s']:9.1f} tok/s "
-              f"{r['speedup']:.2f}x  {r['ms_per_step']:.2f} ms/step  accepted {r['mean_accepted_length']:.2f}"
+              f"{r['speedup']:.2f}x (pairs {pairs})  {r['ms_per_step']:.2f} ms/step  "
+              f"accepted {r['mean_accepted_length']:.2f}"
               + (f"  all slots busy {r['full_speedup']:.2f}x" if r["full_speedup"] else ""))
 
 

@@ -94,6 +94,9 @@ def test_throughput_quick(tmp_path):
         assert sum(row["decode_steps_per_tree"].values()) > 0 and 1 <= row["mean_decode_batch"] <= c
         assert row["tree_decisions"] == {}  # no measured tree policy on the CPU
     assert rows[("plain", 1)]["speedup"] == 1.0
+    for (mode, c), row in rows.items():  # runs alternate between the modes: each over the plain run before it
+        plain = rows[("plain", c)]["tok_s_runs"]
+        assert row["speedup_runs"] == [t / p for t, p in zip(row["tok_s_runs"], plain)] and len(plain) == 3
     for row in rows.values():  # --profile-steps: the same level again with every phase timed
         phases = row["phases"]
         assert phases["decode_steps"] > 0 and phases["part1_ms"] > 0 and phases["prepare_ms"] > 0
