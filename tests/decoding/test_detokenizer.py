@@ -149,3 +149,11 @@ def test_a_decode_stream_that_takes_one_id_at_a_time_falls_back_to_the_window(to
     detok, released = feed(tokenizer, tokenizer.encode(TEXT, add_special_tokens=False), 2)
     assert isinstance(detok._source, WindowText) and released == tokenizer.decode(tokenizer.encode(TEXT),
                                                                                    skip_special_tokens=True)
+
+
+def test_special_tokens_inside_the_output_are_skipped_as_decode_skips_them(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    special = sorted(tokenizer.all_special_ids)
+    mixed = [t for i, token in enumerate(ids) for t in ([token, special[i % len(special)]] if i % 7 == 3 else [token])]
+    detok, released = feed(tokenizer, mixed, 3)
+    assert len(mixed) > len(ids) and released == detok.text == tokenizer.decode(mixed, skip_special_tokens=True)
