@@ -123,24 +123,23 @@ def _text_source(tokenizer: Any) -> WindowText | StreamText:
     return StreamText(tokenizer, stream) if stream is not None else WindowText(tokenizer)
 
 
-_STREAM_TYPES: dict[str, type | None] = {}  # tokenizers version -> its DecodeStream, if it takes a list of ids
+_UNCHECKED = object()
+_stream = _UNCHECKED  # tokenizers' DecodeStream if its step takes a list of ids, else None; checked once
 
 
 def _stream_type(rust: Any) -> type | None:
     """tokenizers' `DecodeStream`, where it exists (>= 0.21) and its `step` takes a list of ids (a step
-    may add several tokens); checked once per tokenizers version."""
-    import tokenizers
-
-    version = getattr(tokenizers, "__version__", "")
-    if version not in _STREAM_TYPES:
+    may add several tokens); checked on the first tokenizer that asks."""
+    global _stream
+    if _stream is _UNCHECKED:
         try:
             from tokenizers.decoders import DecodeStream
 
             DecodeStream(skip_special_tokens=True).step(rust, [0])
-            _STREAM_TYPES[version] = DecodeStream
+            _stream = DecodeStream
         except (ImportError, TypeError):
-            _STREAM_TYPES[version] = None
-    return _STREAM_TYPES[version]
+            _stream = None
+    return _stream
 
 
 class IncrementalDetokenizer:

@@ -433,13 +433,19 @@ class LLMEngine:
         its first token had a step launched for it already: that step's read-back skips it."""
         outputs = []
         for batch in self._first_tokens:
-            for request, token in zip(batch.requests, batch.tokens.tolist()):
-                if self.requests.get(request.seq.request_id) is not request:  # aborted meanwhile
-                    continue
-                emitted = self._append(request, [token])
-                if not request.quiet or request.seq.is_finished:
-                    outputs.append(self._output(request, emitted))
+            live = [(r, t) for r, t in zip(batch.requests, batch.tokens.tolist())
+                    if self.requests.get(r.seq.request_id) is r]  # not aborted meanwhile
+            outputs += self._emit_first_tokens(live)
         self._first_tokens.clear()
+        return outputs
+
+    def _emit_first_tokens(self, pairs: list[tuple[_Request, int]]) -> list[RequestOutput]:
+        """Append each request's first output token, with stops; the outputs of those that report it."""
+        outputs = []
+        for request, token in pairs:
+            emitted = self._append(request, [token])
+            if not request.quiet or request.seq.is_finished:
+                outputs.append(self._output(request, emitted))
         return outputs
 
     def _read_back_inflight(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
@@ -500,13 +506,7 @@ class LLMEngine:
         if deferred is not None:
             self._first_tokens.append(_FirstTokens([ready[k][0] for k in fresh], deferred))
             return []
-        outputs = []
-        for k in fresh:
-            request = ready[k][0]
-            emitted = self._append(request, [roots[k]])
-            if not request.quiet or request.seq.is_finished:
-                outputs.append(self._output(request, emitted))
-        return outputs
+        return self._emit_first_tokens([(ready[k][0], roots[k]) for k in fresh])
 
     def _first_token(self, request: _Request, raw: torch.Tensor) -> int:
         """Output token 0 from raw logits [1, V], with penalties, the min_tokens ban, sampling, logprobs."""

@@ -145,7 +145,7 @@ def test_a_decode_stream_that_takes_one_id_at_a_time_falls_back_to_the_window(to
                 raise TypeError("argument 'id': 'list' object cannot be interpreted as an integer")
 
     monkeypatch.setattr(tokenizers.decoders, "DecodeStream", OneAtATime)
-    monkeypatch.setattr(detokenizer, "_STREAM_TYPES", {})
+    monkeypatch.setattr(detokenizer, "_stream", detokenizer._UNCHECKED)
     detok, released = feed(tokenizer, tokenizer.encode(TEXT, add_special_tokens=False), 2)
     assert isinstance(detok._source, WindowText) and released == tokenizer.decode(tokenizer.encode(TEXT),
                                                                                    skip_special_tokens=True)
