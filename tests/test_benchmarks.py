@@ -124,3 +124,15 @@ def test_throughput_rejects_a_bad_length_spread(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--out",
                            str(tmp_path), "--length-spread", "1.5"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and "--length-spread must be in [0, 1), got 1.5" in done.stderr
+
+
+def test_host_time_quick(default_model_dir, tmp_path):
+    results = run("host_time.py", tmp_path)
+    assert [level["mode"] for level in results["levels"]] == ["plain", "medusa"]
+    for level in results["levels"]:
+        parts = level["ms_per_step"]
+        assert len(level["host_ms_runs"]) == 2 and parts["host_ms"] == min(level["host_ms_runs"])
+        assert 0 < parts["schedule"] < parts["step"] and 0 < parts["append"] < parts["apply_rows"] < parts["step"]
+        assert parts["start_decoding"] > 0  # requests were admitted
+    detok = results["detokenizer_us_per_token"]
+    assert set(detok) == {"stream", "window_rust", "window_transformers"} and min(detok.values()) > 0
