@@ -10,7 +10,8 @@ both, on the default model's tokenizer, against decoding all tokens at once):
 - `StreamText`, where the tokenizer is a fast one whose Rust decode is what
   `decode` returns: the Rust tokenizer's own incremental decoder
   (`tokenizers.decoders.DecodeStream`, tokenizers >= 0.21), one call per step:
-  on a CPU ~0.7 us a token for that call, 1.8 us with this module's own work.
+  1.3-1.7 us a streamed token on a CPU with this module's own work
+  (`benchmarks/host_time.py`).
 - `WindowText`, otherwise: each step decodes a short window of tokens, not the
   whole output (decoding everything again would cost O(output length) per step,
   ~40 us per sequence at 200 tokens and growing). The window starts at the
