@@ -11,7 +11,12 @@
    x N tree tokens, N from 1 to 128: the curve the scheduler's tree budget uses.
    On a GPU the forward is captured as a CUDA graph, as the engine runs it.
 3. With --launch-sweep (GPU only): the attention of 1. at 512 and 4096 keys under
-   num_warps 4 / 8 and num_stages 1-4, the data behind `_launch_config`.
+   num_warps 4 / 8 and num_stages 1-4, the data behind `_launch_config`, then under
+   other row-tile and key-chunk sizes (BLOCK_M x BLOCK_N).
+4. With --split-sweep (GPU only): attention at small batches (one token or a
+   64-node tree per sequence, the three model shapes' heads) under each split-KV
+   count, per call inside a CUDA graph of back-to-back calls, as a step runs it:
+   the data behind `_pick_splits`.
 Writes results.json and, with matplotlib, kernels.png.
 """
 
@@ -106,6 +111,46 @@ def launch_sweep(args, device, dtype) -> list[dict]:
                                                                launch=launch), args.repeats, device)
                 rows.append({"context": context, **launch, "seconds": seconds, "kv_gb_s": kv_bytes / seconds / 1e9})
                 print(rows[-1], flush=True)
+        for block_m, block_n, warps, stages in TILE_VARIANTS:
+            launch = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+            seconds = timed(lambda: paged_attention_triton(**batch, block_size=16, max_query_len=args.tree,
+                                                           launch=launch), args.repeats, device)
+            rows.append({"context": context, **launch, "seconds": seconds, "kv_gb_s": kv_bytes / seconds / 1e9})
+            print(rows[-1], flush=True)
+    return rows
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): 128-row tiles give each K/V chunk twice the rows (two
+# warpgroups' MMAs), 128-key chunks halve the loop trips; stages kept within shared memory
+TILE_VARIANTS = [(64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3),
+                 (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 4, 4), (128, 64, 4, 3)]
+SPLIT_SHAPES = {"llama-3.1-8b": (32, 8, 128), "llama-3.2-1b": (32, 8, 64), "smollm2-135m": (9, 3, 64)}
+
+
+def split_sweep(args, device, dtype, attention=None, calls: int = 10,
+                split_counts=(None, 1, 2, 4, 8, 16, 32)) -> list[dict]:
+    """Microseconds per attention call at small batches under each split count (None: the wrapper's pick).
+
+    Timed as a CUDA graph of `calls` back-to-back calls, so launch gaps count as in a step.
+    attention: the function to time (default the library's kernel; a probe can pass an older one).
+    """
+    if attention is None:
+        from medusa.kernels.paged_attention_triton import paged_attention_triton as attention
+    rows = []
+    for shape, (hq, hkv, d) in SPLIT_SHAPES.items():
+        for batch_size, tree in ((1, 1), (1, 64), (8, 1), (8, 16)):
+            for context in (512, 2048):
+                batch = paged_batch(batch_size, context, tree, hq, hkv, d, dtype, device)
+                # the engine's tables are as wide as the longest context it serves, not this one
+                batch["block_tables"] = torch.nn.functional.pad(batch["block_tables"], (0, 4096 // 16), value=0)
+                for splits in split_counts:
+                    def fn():
+                        for _ in range(calls):
+                            attention(**batch, block_size=16, max_query_len=tree, num_splits=splits)
+                    us = timed(captured(fn), args.repeats, device) / calls * 1e6
+                    rows.append({"shape": shape, "batch": batch_size, "tree": tree, "context": context,
+                                 "splits": splits, "us": us})
+                    print(rows[-1], flush=True)
     return rows
 
 
@@ -122,10 +167,10 @@ def step_curve(args, device, dtype) -> tuple[list[dict], list[dict]]:
         p.data.normal_(0, 0.02)
     rows, kernels = [], []
     for batch in args.batches:
-        pages = batch * (-(-(args.step_context + 128) // 16))
+        pages = batch * (-(-max(args.step_context + 128, args.table_keys) // 16))
         cache = PagedKVCache(config, pages, 16, dtype, device)
         for tree in args.tree_sizes:
-            meta = _step_metadata(batch, tree, args.step_context, device)
+            meta = _step_metadata(batch, tree, args.step_context, args.table_keys, device)
             ids = torch.zeros(batch * tree, dtype=torch.long, device=device)
             pos = torch.full((batch * tree,), args.step_context, device=device)
 
@@ -175,8 +220,10 @@ def captured(fn):
     return graph.replay
 
 
-def _step_metadata(batch: int, tree: int, context: int, device) -> StepMetadata:
-    per_seq = -(-(context + 128) // 16)
+def _step_metadata(batch: int, tree: int, context: int, table_keys: int, device) -> StepMetadata:
+    """A step of `tree` chain tokens per sequence after `context` cached ones; block tables as wide as
+    table_keys (the engine's are as wide as the longest context it serves, which sets the split count)."""
+    per_seq = -(-max(context + 128, table_keys) // 16)
     tables = torch.arange(batch * per_seq, device=device, dtype=torch.int32).view(batch, per_seq)
     slots = (tables.long()[:, :1] * 16 + context + torch.arange(tree, device=device)).flatten()
     bits = torch.tensor([_chain_bits(i) for i in range(tree)], device=device).repeat(batch)
@@ -214,10 +261,14 @@ def main() -> None:
     p.add_argument("--skip-steps", action="store_true", help="no step-cost curve")
     p.add_argument("--launch-sweep", action="store_true", help="attention under each num_warps / num_stages (GPU)")
     p.add_argument("--kernel-profile", action="store_true", help="the kernels of a batch-1 plain step (GPU profiler)")
+    p.add_argument("--split-sweep", action="store_true", help="small-batch attention under each split count (GPU)")
+    p.add_argument("--table-keys", type=int, default=8192,
+                   help="block-table width of the step curve in tokens, as the engine sizes it for its longest "
+                        "context (sessions 1-12 used context + 128)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.launch_sweep and device.type != "cuda":
-        p.error("--launch-sweep times the Triton kernel's launch settings: it needs a CUDA device")
+    if (args.launch_sweep or args.split_sweep) and device.type != "cuda":
+        p.error("--launch-sweep and --split-sweep time the Triton kernel's launch settings: they need a CUDA device")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     big = not args.quick
     args.contexts = [512, 1024, 2048, 4096] if big else [64, 128]
@@ -230,13 +281,14 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shape": shape,
                "dtype": str(dtype), "copy_gb_s": args.copy_bytes_s / 1e9,
                "attention": [] if args.skip_attention else attention_curve(args, device, dtype),
-               "launch_sweep": launch_sweep(args, device, dtype) if args.launch_sweep else []}
+               "launch_sweep": launch_sweep(args, device, dtype) if args.launch_sweep else [],
+               "split_sweep": split_sweep(args, device, dtype) if args.split_sweep else []}
     results["steps"], results["kernel_profile"] = ([], []) if args.skip_steps else step_curve(args, device, dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "kernels.png")
-    print(json.dumps({k: v for k, v in results.items() if k not in ("steps", "kernel_profile")},
+    print(json.dumps({k: v for k, v in results.items() if k not in ("steps", "kernel_profile", "split_sweep")},
                      indent=2))
 
 

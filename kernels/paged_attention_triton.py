@@ -166,18 +166,21 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     without reading query_start back to the host). num_splits: programs per
     (sequence, KV head, row tile) along the keys; None picks enough to fill the
     GPU from the host-known shapes alone, so the choice is fixed under a CUDA graph.
-    launch: num_warps / num_stages instead of `_launch_config`'s (benchmarks/kernels.py --launch-sweep).
+    launch: num_warps / num_stages instead of `_launch_config`'s, and optionally block_m / block_n
+    (benchmarks/kernels.py --launch-sweep).
     """
     _check(q, k_cache, v_cache, block_tables, kv_lens, query_start, causal, step_bits, block_size)
     num_seqs = block_tables.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    block_m = 64 if max_query_len * group >= 64 else 16
+    launch = dict(launch or {})
+    block_m = launch.pop("block_m", 64 if max_query_len * group >= 64 else 16)
+    block_n = launch.pop("block_n", 64)
     tiles = triton.cdiv(max_query_len * group, block_m)
-    block_n = 64
     if num_splits is None:
-        num_splits = _pick_splits(num_seqs * num_kv_heads * tiles, block_tables.shape[1] * block_size, block_n, q)
+        num_splits = _pick_splits(num_seqs * num_kv_heads * tiles, block_tables.shape[1] * block_size, block_n,
+                                  block_m, q)
     out = torch.empty_like(q) if out is None else out
     if num_splits > 1:
         part_acc = torch.empty(q.shape[0], num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -214,12 +217,23 @@ def _launch_config(block_m: int, block_n: int, head_dim: int, elem_bytes: int) -
     return dict(num_warps=4, num_stages=num_stages)
 
 
-def _pick_splits(programs: int, max_keys: int, block_n: int, q: torch.Tensor) -> int:
-    """Splits (a power of two, <= 64) so that about two waves of programs cover the GPU."""
-    target = 2 * (torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8)
+def _pick_splits(programs: int, max_keys: int, block_n: int, block_m: int, q: torch.Tensor) -> int:
+    """Splits (a power of two, <= 64): the most that keep the programs within one wave of the GPU
+    for tiles of 64 rows (trees, prompt chunks), two waves for 16-row tiles (a token per sequence).
+
+    Splits past a sequence's keys cost a program and the merge's reads, and max_keys is the
+    block table's width (the longest context served), not this step's. Measured on an H200
+    (RESULTS.md, session 13: attention per call inside a CUDA graph, tables 4096 keys wider than
+    the context): a 64-node tree at one sequence of the 8B shape took 22.2 us under the earlier
+    rule (at least two waves: 16 splits) and 15.9 us under this one (4); a 16-node tree at 8
+    sequences 29.7 against 15.3 us; one token at 8 sequences gained from the second wave
+    (10.7 against 11.5 us at 512 keys, 27.1 against 36.3 at 2048).
+    """
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+    target = sms * (2 if block_m <= 16 else 1)
     most = max(1, min(64, max_keys // (2 * block_n)))  # at least two key chunks per split
     splits = 1
-    while splits * 2 <= most and programs * splits < target:
+    while splits * 2 <= most and programs * splits * 2 <= target:
         splits *= 2
     return splits
 

@@ -53,12 +53,13 @@ def test_kernels_quick(tmp_path):
     assert all(r["seconds"] > 0 for r in results["steps"]) and results["launch_sweep"] == []
 
 
-def test_kernels_launch_sweep_needs_a_gpu(tmp_path):
+@pytest.mark.parametrize("sweep", ["--launch-sweep", "--split-sweep"])
+def test_kernels_sweeps_need_a_gpu(tmp_path, sweep):
     if __import__("torch").cuda.is_available():
-        pytest.skip("on a GPU the sweep runs")
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--launch-sweep", "--out",
+        pytest.skip("on a GPU the sweeps run")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), sweep, "--out",
                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "needs a CUDA device" in done.stderr
+    assert done.returncode == 2 and "need a CUDA device" in done.stderr
 
 
 def test_serving_quick(default_model_dir, tmp_path):

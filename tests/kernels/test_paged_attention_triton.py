@@ -106,6 +106,37 @@ def test_prefix_and_step_phases_match_reference(layout, num_splits, page, dtype)
     assert torch.allclose(got.float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_split_count_fills_the_gpu_without_overshooting(block_m):
+    """The most splits (a power of two) that keep programs within the target and two key chunks
+    per split; no more, since splits past a sequence's keys still cost a program and merge reads."""
+    from medusa.kernels.paged_attention_triton import _pick_splits
+
+    target = 8 * (2 if block_m <= 16 else 1)  # the CPU stands in for a GPU of 8 SMs
+    q = torch.zeros(1)
+    for programs in (1, 3, 8, 9, 16, 40):
+        for max_keys in (64, 256, 1000, 8192):
+            splits = _pick_splits(programs, max_keys, 64, block_m, q)
+            most = max(1, min(64, max_keys // 128))
+            assert splits & (splits - 1) == 0 and splits <= most
+            assert splits == 1 or programs * splits <= target
+            assert splits * 2 > most or programs * splits * 2 > target  # doubling would break a bound
+
+
+@pytest.mark.parametrize("block_m,block_n", [(128, 64), (16, 32)])
+def test_tile_sizes_match_reference(block_m, block_n):
+    """The row-tile and key-chunk sizes a launch may override (benchmarks/kernels.py --launch-sweep)."""
+    kinds, prefixes, hq, hkv = PHASE_LAYOUTS["tree"]
+    batch, max_q = random_batch(40 + block_m, kinds, 0, hq, hkv, 32, 16, torch.float32,
+                                num_blocks=256, prefixes=prefixes)
+    expected = paged_attention_reference(**batch, block_size=16)
+    for num_splits in (1, 4):
+        poisoned = torch.full_like(batch["q"], float("nan"))
+        got = paged_attention_triton(**batch, block_size=16, max_query_len=max_q, out=poisoned, num_splits=num_splits,
+                                     launch=dict(block_m=block_m, block_n=block_n))
+        assert torch.allclose(got.float(), expected.float(), atol=2e-3, rtol=2e-3), num_splits
+
+
 def test_wrapper_names_bad_inputs():
     batch, max_q = random_batch(0, ["tree-4"], 8, 2, 1, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="head_dim"):
@@ -128,6 +159,29 @@ def test_kernel_matches_reference_full_size(dtype):
     for splits in (None, 1, 16):
         got = paged_attention_triton(**batch, block_size=16, max_query_len=max_q, num_splits=splits)
         assert torch.allclose(got.float(), expected.float(), atol=2e-2, rtol=2e-2), splits
+
+
+@pytest.mark.gpu
+def test_split_kv_replays_in_a_cuda_graph():
+    """Split KV inside a CUDA graph: the partials and their merge replay correctly, again and again."""
+    batch, max_q = random_batch(9, ["single"] * 3 + ["tree-64"], 3000, 32, 8, 128, 16, torch.bfloat16,
+                                num_blocks=1024)
+    expected = paged_attention_reference(**batch, block_size=16)
+    out = torch.empty_like(batch["q"])
+    run = lambda: paged_attention_triton(**batch, block_size=16, max_query_len=max_q, out=out, num_splits=16)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(50):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_write_and_move_kernels_match_reference():
