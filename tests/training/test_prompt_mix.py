@@ -39,8 +39,8 @@ def test_old_plain_list_and_new_mapping_forms():
     assert load_config("medusa1-smollm2").data.sources is None  # the shipped recipe still loads
     diverse = load_config("medusa1-smollm2-diverse")
     assert diverse.data.sources[0] == SourceSpec("gsm8k_train.jsonl", max_prompts=2500, samples_per_prompt=0)
-    assert diverse.data.self_prompts == 4000 and diverse.data.followup_fraction == 0.3
-    assert (diverse.heads.num_layers, diverse.train.epochs, diverse.train.lr) == (2, 7, 2e-3)
+    assert diverse.data.self_prompts == 12000 and diverse.data.followup_fraction == 0.3
+    assert (diverse.heads.num_layers, diverse.train.epochs, diverse.train.lr) == (2, 4, 2e-3)
 
 
 @pytest.mark.parametrize("override, message", [
