@@ -245,17 +245,25 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.usage, self.totals,
                            dict(self.steps_per_tree))
 
-    def warmup(self, context: int = 512) -> dict[int, str]:
+    def warmup(self, context: int = 512, max_batch: int | None = None) -> dict[int, str]:
         """Capture the prefill and decode steps' CUDA graphs and, with heads, let the measured
         tree policy (`tree_policy.py`) pick each batch size's tree: its prior comes from the
         heads' measured accuracies, or a cautious guess for heads that carry none. A no-op
         on the CPU. Returns bucket -> chosen tree name.
+
+        max_batch: only the batch buckets up to this many sequences (`medusa generate` runs one
+        request: bucket 1 is seconds of warmup where every bucket is ~20 s); None: up to max_num_seqs.
+        A bucket left out is captured at its first use, as without warmup.
         """
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 (or None for every batch bucket), got {max_batch}")
         step = self.runner.decode
         if not step.use_graphs:
             return {}
         self.runner.prefill.capture_all()
-        buckets = sorted({step.bucket(b) for b in range(1, self.config.scheduler.max_num_seqs + 1)})
+        most = self.config.scheduler.max_num_seqs if max_batch is None else min(max_batch,
+                                                                                 self.config.scheduler.max_num_seqs)
+        buckets = sorted({step.bucket(b) for b in range(1, most + 1)})
         accuracies = None
         if self.heads is not None:
             accuracies = self.heads.config.accuracies or unmeasured_prior(self.heads.config.num_heads)
@@ -280,7 +288,9 @@ class LLMEngine:
                     if plain:
                         with_heads = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks)
                         self.policy.add_heads_cost(bucket, with_heads - seconds)
-        self.scheduler.policy = lambda n: self.policy.choose(step.bucket(n))
+        # buckets past max_batch were not timed: the token budget picks their tree, as without warmup
+        self.scheduler.policy = lambda n: (self.policy.choose(step.bucket(n)) if step.bucket(n) in self.policy.step_cost
+                                           else None)
         timed = [b for b in buckets if b in self.policy.step_cost]  # the trees each will run first
         self._capture_mixed(timed, lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]])))
         return {b: _tree_label(self.policy.choose(b)) for b in buckets}

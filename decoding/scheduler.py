@@ -68,7 +68,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # batch size -> tree, measured by the engine on the device (LLMEngine.warmup); None: the token budget
-        self.policy: Callable[[int], TreeSpec] | None = None
+        # the measured policy (LLMEngine.warmup): a batch size's tree, or None where it measured nothing
+        self.policy: Callable[[int], TreeSpec | None] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -99,7 +100,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.policy is not None and num_decoding > 0:
             tree = self.policy(num_decoding)
-            if tree.num_nodes <= budget:
+            if tree is not None and tree.num_nodes <= budget:
                 return tree
         limit = min(self.config.max_tree_tokens, budget)
         fitting = [t for t in self.trees if t.num_nodes * num_decoding <= limit]

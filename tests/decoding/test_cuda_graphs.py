@@ -133,3 +133,15 @@ def test_graph_engine_with_prompt_lookup_matches_plain_greedy(default_model_dir)
     alone = engine.generate([prompts[0]], seeded)[0].token_ids
     mixed = engine.generate(prompts[:3] + [prompts[0]], [SamplingParams(max_tokens=32)] * 3 + [seeded])
     assert mixed[-1].token_ids == alone
+
+
+def test_warmup_of_one_batch_bucket_serves_any_batch(default_model_dir):
+    """warmup(max_batch=1), as `medusa generate` runs it: only bucket 1 is timed and captured; a larger
+    batch later captures its graphs at first use and still gives plain greedy's tokens."""
+    model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
+    engine = model.engine()
+    assert set(engine.warmup(max_batch=1)) == {1}
+    assert set(engine.policy.step_cost) == {1}
+    prompts = [model.encode([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Count to five.")]
+    references = [model.generate(p, max_new_tokens=20, speculative=False).token_ids for p in prompts]
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=20))] == references

@@ -301,3 +301,11 @@ def test_prompts_admitted_together_start_as_they_would_alone(tiny):
     together = make_engine(model, heads).generate(ps, params)
     for a, t in zip(alone, together):
         assert t.token_ids == a.token_ids
+
+
+def test_warmup_rejects_a_batch_limit_below_one(tiny):
+    model, heads = tiny
+    engine = make_engine(model, heads)
+    with pytest.raises(ValueError, match="max_batch must be >= 1"):
+        engine.warmup(max_batch=0)
+    assert engine.warmup(max_batch=1) == {}  # a no-op on the CPU, as warmup() is

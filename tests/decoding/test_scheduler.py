@@ -91,6 +91,16 @@ def test_tree_never_exceeds_the_token_budget():
     assert [(i.seq.request_id, i.is_prefill) for i in plan.scheduled] == [("a", False)]
 
 
+def test_a_policy_without_a_measurement_leaves_the_tree_to_the_budget():
+    """warmup(max_batch=...) times some batch sizes only: elsewhere the policy says None and the
+    token budget picks the tree, as it does with no policy at all."""
+    s = make(max_tokens=512, tree_tokens=256)
+    unmeasured = [s.tree_for(n) for n in (1, 2, 8)]
+    s.policy = lambda n: TREES[0] if n == 1 else None  # measured at one sequence only
+    assert s.tree_for(1) == TREES[0]
+    assert [s.tree_for(n) for n in (2, 8)] == unmeasured[1:]
+
+
 def test_a_tree_too_big_for_the_pool_shrinks_instead_of_preempting_forever():
     """A lone sequence near the pool's end: a 64-node tree cannot be backed even with every other sequence
     preempted, so the step runs the largest tree that fits (it used to preempt itself every step)."""
