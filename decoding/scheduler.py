@@ -67,8 +67,8 @@ class Scheduler:
         self.trees = sorted(trees, key=lambda t: t.num_nodes) or [TreeSpec()]
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # batch size -> tree, measured by the engine on the device (LLMEngine.warmup); None: the token budget
-        # the measured policy (LLMEngine.warmup): a batch size's tree, or None where it measured nothing
+        # batch size -> tree, measured by the engine on the device (LLMEngine.warmup); the policy itself, or
+        # its answer for a batch size it did not measure, None: the token budget picks
         self.policy: Callable[[int], TreeSpec | None] | None = None
 
     def add(self, seq: Sequence) -> None:

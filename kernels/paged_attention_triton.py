@@ -225,8 +225,8 @@ def _pick_splits(programs: int, max_keys: int, block_n: int, block_m: int, q: to
     block table's width (the longest context served), not this step's. Measured on an H200
     (RESULTS.md, session 13: attention per call inside a CUDA graph, tables 4096 keys wider than
     the context): a 64-node tree at one sequence of the 8B shape took 22.2 us under the earlier
-    rule (at least two waves: 16 splits) and 15.9 us under this one (4); a 16-node tree at 8
-    sequences 29.7 against 15.3 us; one token at 8 sequences gained from the second wave
+    rule (at least two waves: 16 splits) and 15.8 us under this one (4); a 16-node tree at 8
+    sequences 29.7 against 15.1 us; one token at 8 sequences gained from the second wave
     (10.7 against 11.5 us at 512 keys, 27.1 against 36.3 at 2048).
     """
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
