@@ -97,22 +97,14 @@ def attention_curve(args, device, dtype) -> list[dict]:
 
 
 def launch_sweep(args, device, dtype) -> list[dict]:
-    """Tree attention under each (num_warps, num_stages): milliseconds and KV read rate."""
+    """Tree attention under each of LAUNCHES (warps, stages, tile sizes): milliseconds and KV read rate."""
     from medusa.kernels.paged_attention_triton import paged_attention_triton
 
     rows = []
     for context in (512, 4096):
         batch = paged_batch(args.batch, context, args.tree, args.q_heads, args.kv_heads, args.head_dim, dtype, device)
         kv_bytes = 2 * args.batch * context * args.kv_heads * args.head_dim * batch["k_cache"].element_size()
-        for warps in (4, 8):
-            for stages in (1, 2, 3, 4):
-                launch = dict(num_warps=warps, num_stages=stages)
-                seconds = timed(lambda: paged_attention_triton(**batch, block_size=16, max_query_len=args.tree,
-                                                               launch=launch), args.repeats, device)
-                rows.append({"context": context, **launch, "seconds": seconds, "kv_gb_s": kv_bytes / seconds / 1e9})
-                print(rows[-1], flush=True)
-        for block_m, block_n, warps, stages in TILE_VARIANTS:
-            launch = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+        for launch in LAUNCHES:
             seconds = timed(lambda: paged_attention_triton(**batch, block_size=16, max_query_len=args.tree,
                                                            launch=launch), args.repeats, device)
             rows.append({"context": context, **launch, "seconds": seconds, "kv_gb_s": kv_bytes / seconds / 1e9})
@@ -124,6 +116,9 @@ def launch_sweep(args, device, dtype) -> list[dict]:
 # warpgroups' MMAs), 128-key chunks halve the loop trips; stages kept within shared memory
 TILE_VARIANTS = [(64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3),
                  (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 4, 4), (128, 64, 4, 3)]
+# the default tiles under each num_warps x num_stages, then the tile variants
+LAUNCHES = [dict(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3, 4)] + [
+    dict(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in TILE_VARIANTS]
 SPLIT_SHAPES = {"llama-3.1-8b": (32, 8, 128), "llama-3.2-1b": (32, 8, 64), "smollm2-135m": (9, 3, 64)}
 
 
