@@ -46,6 +46,32 @@ def test_spec_bench_reports_adapter_drift(default_model_dir, tmp_path):
     assert drift["identical_turns"] == drift["turns"] >= 4
 
 
+def test_head_accuracy_quick(default_model_dir, tmp_path):
+    """Scores the shipped heads per category on the base's cached greedy turns; a second run reuses them."""
+    results = run("head_accuracy.py", tmp_path)
+    (scored,) = results["heads"].values()
+    overall = scored["overall"]
+    assert results["settings"]["questions"] == 4 and len(scored["categories"]) == 4
+    assert overall["turns"] == sum(c["turns"] for c in scored["categories"].values()) >= 4
+    assert overall["targets"] == sum(c["targets"] for c in scored["categories"].values()) > 0
+    assert all(0 <= a <= b <= 1 for a, b in zip(overall["top1"], overall["top5"])) and len(overall["top1"]) == 4
+    assert 1.0 <= overall["accepted_length"] <= 5.0 and scored["tree_nodes"] == 64
+    turns = tmp_path / "turns.json"
+    turns.write_text(turns.read_text().replace('"ids": [', '"ids": [0, '))  # a marked cache: reused, not remade
+    again = run("head_accuracy.py", tmp_path)["heads"]
+    assert next(iter(again.values()))["overall"]["targets"] > overall["targets"]
+
+
+def test_head_accuracy_rejects_unusable_heads_before_generating(tmp_path):
+    heads = tmp_path / "m2"
+    heads.mkdir()
+    (heads / "adapter.safetensors").write_bytes(b"")
+    for path, message in ((tmp_path / "none", "no heads at"), (heads, "holds a Medusa-2 LoRA adapter")):
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "head_accuracy.py"), "--quick", "--out",
+                               str(tmp_path / "out"), "--heads", str(path)], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 2 and message in done.stderr and not (tmp_path / "out").exists()
+
+
 def test_kernels_quick(tmp_path):
     results = run("kernels.py", tmp_path)
     assert [r["context"] for r in results["attention"]] == [64, 128]

@@ -35,12 +35,25 @@ class EvalResult:
 
 
 @torch.inference_mode()
-def head_topk(model: DecoderModel, heads: MedusaHeads, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """ids [B, T] -> top-k token ids of every head at every position [B, T, K, k]."""
+def head_topk(model: DecoderModel, heads: MedusaHeads, ids: torch.Tensor, k: int, begin: int = 0) -> torch.Tensor:
+    """ids [B, T] -> top-k token ids of every head at every position [B, T, K, k].
+
+    Positions before `begin` get -1 (no token): the heads' vocabulary-wide logits are most of the cost,
+    and nothing scores positions that far inside a prompt (see `first_scored_position`).
+    """
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     hidden = model(ids, positions, CausalAttention())  # [B, T, H]
-    logits = heads(hidden, model.lm_head.weight, roots=next_tokens(ids))  # [K, B, T, V]
-    return logits.topk(k, dim=-1).indices.permute(1, 2, 0, 3)
+    logits = heads(hidden[:, begin:], model.lm_head.weight, roots=next_tokens(ids)[:, begin:])  # [K, B, T-begin, V]
+    topk = logits.topk(k, dim=-1).indices.permute(1, 2, 0, 3)  # [B, T-begin, K, k]
+    return torch.nn.functional.pad(topk, (0, 0, 0, 0, begin, 0), value=-1)
+
+
+def first_scored_position(loss_mask: torch.Tensor, lengths: torch.Tensor, num_heads: int) -> int:
+    """The earliest position any row's scoring reads: head k at position t predicts token t + k + 2, so a
+    row whose response starts at s needs positions from s - num_heads - 1 on (the walk's first root, s,
+    reads s - 1)."""
+    starts = [int(loss_mask[row, : int(n)].long().argmax()) for row, n in enumerate(lengths)]
+    return max(0, min(starts, default=0) - num_heads - 1)
 
 
 def rank_hits(topk: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -100,7 +113,8 @@ def evaluate_heads(model: DecoderModel, heads: MedusaHeads, batches, tree: TreeS
     targets, accepted = 0, []
     for batch in batches:
         ids = batch.input_ids.to(device)
-        topk = head_topk(model, heads, ids, max_rank)  # [B, T, K, R]
+        begin = first_scored_position(batch.loss_mask, batch.lengths, heads.config.num_heads)
+        topk = head_topk(model, heads, ids, max_rank, begin)  # [B, T, K, R]
         for row in range(ids.shape[0]):
             n = int(batch.lengths[row])
             seq, valid = ids[row, :n], batch.loss_mask[row, :n].to(device)

@@ -38,3 +38,38 @@ def test_rank_hits_counts_each_rank():
     assert rank_hits(topk, ids, valid).tolist() == [[2, 1]]
     valid[3] = False  # position 1's target (ids[3]) is not a response token
     assert rank_hits(topk, ids, valid).tolist() == [[2, 0]]
+
+
+def test_scoring_skips_only_prompt_positions_nothing_reads(monkeypatch):
+    """Heads run from the first position any target needs: accuracies and accepted lengths are unchanged."""
+    from medusa.training import evaluate
+    from medusa.training.data import batches
+    from medusa.training.distill_cache import Sequences
+
+    model, heads = tiny()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 16, (n,), generator=gen).tolist() for n in (30, 12, 45)]
+    answers = [torch.randint(0, 16, (n,), generator=gen).tolist() for n in (20, 25, 9)]
+    seqs = Sequences.from_lists([p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts])
+    assert evaluate.first_scored_position(*_mask_and_lengths(seqs), num_heads=3) == 12 - 3 - 1
+    tree = TreeSpec.load("tree-8")
+    skipped = evaluate.evaluate_heads(model, heads, batches(seqs, 4096, 0, 0), tree=tree)
+    monkeypatch.setattr(evaluate, "first_scored_position", lambda *args, **kwargs: 0)
+    full = evaluate.evaluate_heads(model, heads, batches(seqs, 4096, 0, 0), tree=tree)
+    assert skipped.accuracies == full.accuracies and skipped.num_targets == full.num_targets > 0
+    assert skipped.accepted_lengths == full.accepted_lengths and len(full.accepted_lengths) > 10
+
+
+def test_head_topk_marks_skipped_positions():
+    model, heads = tiny()
+    ids = torch.randint(0, 16, (2, 20), generator=torch.Generator().manual_seed(1))
+    full, part = head_topk(model, heads, ids, 4), head_topk(model, heads, ids, 4, begin=7)
+    assert part.shape == full.shape
+    assert (part[:, :7] == -1).all() and torch.equal(part[:, 7:], full[:, 7:])
+
+
+def _mask_and_lengths(seqs):
+    from medusa.training.data import batches
+
+    batch = next(iter(batches(seqs, 4096, 0, 0)))
+    return batch.loss_mask, batch.lengths
