@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -57,15 +57,17 @@ def run_ours(model: MedusaModel, question: dict, max_new_tokens: int, speculativ
     for turn in question["turns"]:
         messages.append({"role": "user", "content": turn})
         ids = model.encode(list(messages))
+        trees_before = engine.stats().steps_per_tree
         sync()
         start = time.perf_counter()
         out = engine.generate([ids], SamplingParams(max_tokens=max_new_tokens))[0]
         seconds = time.perf_counter() - start
         messages.append({"role": "assistant", "content": out.text})
+        trees = {t: n - trees_before.get(t, 0) for t, n in engine.stats().steps_per_tree.items()}
         # accepted length: tokens per verification step (the prefill's first token is not one)
         turns.append({"tokens": len(out.token_ids), "seconds": seconds, "steps": out.stats.steps,
                       "emitted": sum(out.stats.accepted_lengths), "from_lookup": out.stats.accepted_from_lookup,
-                      "ids": list(out.token_ids), "prompt": ids})
+                      "trees": {t: n for t, n in trees.items() if n}, "ids": list(out.token_ids), "prompt": ids})
     return turns
 
 
@@ -133,7 +135,11 @@ def summarise(records: list[dict]) -> dict:
            "speedup_vs_plain": medusa / plain if plain else None,
            "mean_accepted_length": tokens / max(steps, 1),
            "accepted_from_lookup_per_step": sum(t["from_lookup"] for r in records for t in r["medusa"]) / max(steps, 1),
-           "identical_greedy_turns": sum(a == b for a, b in pairs), "turns": len(pairs)}
+           "identical_greedy_turns": sum(a == b for a, b in pairs), "turns": len(pairs),
+           # which tree each of Medusa's decode steps ran: the timed policy may try other trees or plain
+           # steps between the ones it settled on, which lowers the accepted length below the heads' own
+           "medusa_steps": steps,
+           "decode_steps_per_tree": dict(sum((Counter(t["trees"]) for r in records for t in r["medusa"]), Counter()))}
     drifts = [r["drift"] for r in records if r.get("drift")]
     if drifts:
         agreeing, total = sum(d["agreeing"] for d in drifts), sum(d["tokens"] for d in drifts)

@@ -24,6 +24,7 @@ def test_spec_bench_quick(default_model_dir, tmp_path):
     assert overall["mean_accepted_length"] >= 1.0 and overall["hf_tok_s"] > 0
     assert overall["identical_greedy_turns"] == overall["turns"]  # float32 on the CPU: exact
     assert len(results["categories"]) == 4
+    assert sum(overall["decode_steps_per_tree"].values()) == overall["medusa_steps"] > 0
 
 
 def test_spec_bench_reports_adapter_drift(default_model_dir, tmp_path):
