@@ -4,6 +4,7 @@
     python benchmarks/spec_bench.py --per-category 5 --hf-per-category 1 --out out/sb
     python benchmarks/spec_bench.py --quick --out out/sb-quick         # CPU smoke run (CI)
     python benchmarks/spec_bench.py --prompt-lookup 4 --out out/sb-pl4 # Medusa trees + a 4-node lookup chain
+    python benchmarks/spec_bench.py --pin-tree --prompt-lookup 0 --out out/sb-heads  # the heads' own tree, every step
 
 Writes results.json (per category and overall: tokens/s of each system, Medusa's
 speedup over plain and over HF, mean accepted length, how many greedy outputs
@@ -20,6 +21,7 @@ came out identical.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections import Counter, defaultdict
@@ -30,6 +32,7 @@ from tqdm.auto import tqdm
 
 from medusa.adapter import has_adapter
 from medusa.attention import CausalAttention
+from medusa.decoding.engine import LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.medusa_model import MedusaModel
 from medusa.training.data import DATA_DIR
@@ -50,9 +53,17 @@ def load_questions(path: Path, per_category: int | None) -> list[dict]:
     return out
 
 
-def run_ours(model: MedusaModel, question: dict, max_new_tokens: int, speculative: bool) -> list[dict]:
-    """Every turn of the question, alone on the engine; later turns see the model's own earlier answers."""
-    engine = model.engine(speculative)
+def pinned_engine(model: MedusaModel) -> LLMEngine:
+    """An engine whose only tree is the heads' own (with the model's lookup chain, if any): every Medusa step
+    verifies it, with no timed choice of smaller trees or plain steps, so its accepted length is the heads'."""
+    config = model.engine_config()
+    own = config.trees[-1]  # engine_config lists the heads' own tree (else the largest named one) last
+    return LLMEngine(model.base, model.heads, dataclasses.replace(config, trees=(own,)), model.tokenizer,
+                     sorted(model.eos_token_ids))
+
+
+def run_ours(model: MedusaModel, engine: LLMEngine, question: dict, max_new_tokens: int) -> list[dict]:
+    """Every turn of the question, alone on `engine`; later turns see the model's own earlier answers."""
     messages, turns = [], []
     for turn in question["turns"]:
         messages.append({"role": "user", "content": turn})
@@ -179,6 +190,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="at most this many questions in all")
     p.add_argument("--quick", action="store_true", help="4 questions, 8 tokens: a CPU smoke run (CI)")
+    p.add_argument("--pin-tree", action="store_true",
+                   help="every Medusa step verifies the heads' own tree: no timed policy (which may run smaller "
+                        "trees or plain steps), so the accepted length is the heads' alone")
     p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
                         "heads alone (default: the library's, 4 on a GPU and 0 on a CPU)")
@@ -193,13 +207,15 @@ def main() -> None:
     # Medusa-2: the original base, to measure how far the merged adapter moved the outputs
     reference = MedusaModel.from_pretrained(args.model) if args.heads and has_adapter(args.heads) else None
     questions = load_questions(Path(args.data), args.per_category)[: args.limit]
-    model.engine(False).warmup()  # captures the CUDA graphs before anything is timed
-    policy = model.engine(True).warmup()  # and measures which tree each batch size gets
+    plain_engine = model.engine(False)
+    medusa_engine = pinned_engine(model) if args.pin_tree else model.engine(True)
+    plain_engine.warmup()  # captures the CUDA graphs before anything is timed
+    policy = medusa_engine.warmup()  # and measures which tree each batch size gets
     references = reference_turns(reference, questions, args.max_new_tokens) if reference is not None else None
     records, hf_taken = [], defaultdict(int)
     for index, q in enumerate(tqdm(questions, desc="spec-bench", dynamic_ncols=True)):
-        rec = {"category": q["category"], "plain": run_ours(model, q, args.max_new_tokens, False),
-               "medusa": run_ours(model, q, args.max_new_tokens, True)}
+        rec = {"category": q["category"], "plain": run_ours(model, plain_engine, q, args.max_new_tokens),
+               "medusa": run_ours(model, medusa_engine, q, args.max_new_tokens)}
         if hf is not None and hf_taken[q["category"]] < args.hf_per_category:
             hf_taken[q["category"]] += 1
             rec["hf"] = run_hf(hf, model, q, args.max_new_tokens)
@@ -209,8 +225,9 @@ def main() -> None:
     by_cat = defaultdict(list)
     for r in records:
         by_cat[r["category"]].append(r)
-    summary = {"device": _device_name(), "tree_nodes": max(t.num_nodes for t in model.engine(True).scheduler.trees),
-               "tree_policy": policy, "prompt_lookup": model.prompt_lookup, "max_new_tokens": args.max_new_tokens,
+    summary = {"device": _device_name(), "tree_nodes": max(t.num_nodes for t in medusa_engine.scheduler.trees),
+               "tree_policy": policy, "pinned_tree": args.pin_tree,
+               "candidate_trees": [t.name or f"{t.num_nodes}-node tree" for t in medusa_engine.scheduler.trees], "prompt_lookup": model.prompt_lookup, "max_new_tokens": args.max_new_tokens,
                "dtype": str(model.base.embed_tokens.weight.dtype), "overall": summarise(records),
                "categories": {c: summarise(rs) for c, rs in by_cat.items()}}
     (out / "results.json").write_text(json.dumps(summary, indent=2))

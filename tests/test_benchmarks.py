@@ -25,6 +25,16 @@ def test_spec_bench_quick(default_model_dir, tmp_path):
     assert overall["identical_greedy_turns"] == overall["turns"]  # float32 on the CPU: exact
     assert len(results["categories"]) == 4
     assert sum(overall["decode_steps_per_tree"].values()) == overall["medusa_steps"] > 0
+    assert results["candidate_trees"][0] == "single" and results["candidate_trees"][-1] == "heads"  # unpinned
+    assert len(results["candidate_trees"]) == 6
+
+
+def test_spec_bench_pinned_tree_runs_only_the_heads_tree(default_model_dir, tmp_path):
+    results = run("spec_bench.py", tmp_path, "--pin-tree", "--prompt-lookup", "0")
+    overall = results["overall"]
+    assert results["pinned_tree"] and results["tree_nodes"] == 64 and results["candidate_trees"] == ["heads"]
+    assert overall["decode_steps_per_tree"] == {"heads": overall["medusa_steps"]} and overall["medusa_steps"] > 0
+    assert overall["identical_greedy_turns"] == overall["turns"]
 
 
 def test_spec_bench_reports_adapter_drift(default_model_dir, tmp_path):
