@@ -114,19 +114,22 @@ def main() -> None:
     if args.heads is None and args.model is not None:
         p.error("--heads is required with --model: only the default model ships heads")
     heads_paths = args.heads or [str(default_model.default_heads_path())]
-    for problem in filter(None, map(check_heads_path, heads_paths)):  # before minutes of generation
+    for problem in filter(None, map(check_heads_path, heads_paths)):
         p.error(problem)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = MedusaModel.from_pretrained(args.model, heads=None)
+    try:  # every heads folder loads (and fits the model) before minutes of generation
+        loaded = {path: load_heads(path, model) for path in heads_paths}
+    except ValueError as err:
+        p.error(str(err))
     questions = load_questions(Path(args.data), args.per_category)[: 4 if args.quick else None]
     settings = {"model": args.model or "default", "data": str(args.data), "questions": len(questions),
                 "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
                 "dtype": str(model.base.embed_tokens.weight.dtype)}
     rows = greedy_turns(model, questions, args.max_new_tokens, out / "turns.json", settings)
     results = {"settings": settings, "heads": {}}
-    for path in heads_paths:
-        heads = load_heads(path, model)
+    for path, heads in loaded.items():
         tree = TreeSpec.load(args.tree) if args.tree else TreeSpec.from_paths(heads.config.tree)
         results["heads"][path] = {"tree_nodes": tree.num_nodes, **score_by_category(model, heads, tree, rows)}
         _print(path, results["heads"][path])
