@@ -227,7 +227,8 @@ def main() -> None:
         by_cat[r["category"]].append(r)
     summary = {"device": _device_name(), "tree_nodes": max(t.num_nodes for t in medusa_engine.scheduler.trees),
                "tree_policy": policy, "pinned_tree": args.pin_tree,
-               "candidate_trees": [t.name or f"{t.num_nodes}-node tree" for t in medusa_engine.scheduler.trees], "prompt_lookup": model.prompt_lookup, "max_new_tokens": args.max_new_tokens,
+               "candidate_trees": [t.label for t in medusa_engine.scheduler.trees],
+               "prompt_lookup": model.prompt_lookup, "max_new_tokens": args.max_new_tokens,
                "dtype": str(model.base.embed_tokens.weight.dtype), "overall": summarise(records),
                "categories": {c: summarise(rs) for c, rs in by_cat.items()}}
     (out / "results.json").write_text(json.dumps(summary, indent=2))

@@ -118,8 +118,7 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
                                       if n > trees_before.get(t, 0)},
             # batch bucket -> the tree its timings chose; buckets still on trial, borrowing plain decoding
             # from a smaller one, or never run are absent
-            "tree_decisions": {b: t.name or f"{t.num_nodes}-node tree"
-                               for b, t in sorted(engine.policy.decision.items())},
+            "tree_decisions": {b: t.label for b, t in sorted(engine.policy.decision.items())},
             "policy_at_level": policy_view(engine, concurrency)}
 
 
@@ -130,7 +129,7 @@ def policy_view(engine: LLMEngine, concurrency: int) -> dict:
     view = {}
     for tree, graph in policy.step_cost.get(bucket, {}).items():
         wall = policy.wall.get(bucket, {}).get(tree)
-        view[tree.name or f"{tree.num_nodes}-node tree"] = {
+        view[tree.label] = {
             "graph_ms": 1e3 * graph, "charged_ms": 1e3 * policy.cost(bucket, tree),
             "timed_steps": wall.steps if wall else 0, "expected_tokens": policy.expected_length(tree)}
     return view

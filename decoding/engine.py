@@ -272,7 +272,7 @@ class LLMEngine:
             for bucket in buckets:
                 step.capture(self._device_tree(self.scheduler.tree_for(bucket)), bucket)
             self._capture_mixed(buckets, lambda bucket: [self.scheduler.tree_for(bucket)])
-            return {b: _tree_label(self.scheduler.tree_for(b)) for b in buckets}
+            return {b: self.scheduler.tree_for(b).label for b in buckets}
         for bucket in buckets:
             for tree in self.scheduler.trees:
                 if tree.num_nodes > 1 and bucket * tree.num_nodes > self.config.max_graph_tokens:
@@ -296,7 +296,7 @@ class LLMEngine:
         self.scheduler.policy = measured
         timed = [b for b in buckets if b in self.policy.step_cost]  # the trees each will run first
         self._capture_mixed(timed, lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]])))
-        return {b: _tree_label(self.policy.choose(b)) for b in buckets}
+        return {b: self.policy.choose(b).label for b in buckets}
 
     def _capture_mixed(self, buckets: list[int], trees) -> None:
         """Capture, for each batch bucket, the decode graphs of `trees(bucket)` carrying each prompt token
@@ -576,7 +576,7 @@ class LLMEngine:
         acceptance, the engine's statistics and its steps per tree."""
         self.policy.observe(spec, sum(counts), len(counts))
         _record(self.totals, spec, counts, from_lookup)
-        self.steps_per_tree[_tree_label(spec)] += 1
+        self.steps_per_tree[spec.label] += 1
 
     def _verify_on_host(self, requests: list[_Request], tree: DeviceTree, part1) -> None:
         """Verdicts for rows the device rules cannot decide: min_tokens, logprobs, penalties."""
@@ -747,10 +747,6 @@ def _record(stats: RequestStats, tree: TreeSpec, counts: list[int], from_lookup:
     for count, rows in Counter(counts).items():  # a handful of distinct counts, not one loop per row
         for depth in range(count - 1):
             stats.accepted_per_depth[depth] += rows
-
-
-def _tree_label(tree: TreeSpec) -> str:
-    return tree.name or f"{tree.num_nodes}-node tree"
 
 
 def stream(engine: LLMEngine, prompt: str | Seq[int], params: SamplingParams = SamplingParams()):

@@ -162,6 +162,11 @@ class TreeSpec:
         return 1 + len(self.paths) + self.lookup
 
     @property
+    def label(self) -> str:
+        """How statistics and reports name this tree: its name, else its size."""
+        return self.name or f"{self.num_nodes}-node tree"
+
+    @property
     def first_lookup_node(self) -> int:
         """Index of the first prompt-lookup node (== num_nodes when there is no chain)."""
         return 1 + len(self.paths)

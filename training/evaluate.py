@@ -48,12 +48,12 @@ def head_topk(model: DecoderModel, heads: MedusaHeads, ids: torch.Tensor, k: int
     return torch.nn.functional.pad(topk, (0, 0, 0, 0, begin, 0), value=-1)
 
 
-def first_scored_position(loss_mask: torch.Tensor, lengths: torch.Tensor, num_heads: int) -> int:
+def first_scored_position(loss_mask: torch.Tensor, num_heads: int) -> int:
     """The earliest position any row's scoring reads: head k at position t predicts token t + k + 2, so a
     row whose response starts at s needs positions from s - num_heads - 1 on (the walk's first root, s,
-    reads s - 1)."""
-    starts = [int(loss_mask[row, : int(n)].long().argmax()) for row, n in enumerate(lengths)]
-    return max(0, min(starts, default=0) - num_heads - 1)
+    reads s - 1). loss_mask [B, T] is False past each row's length; a row without response tokens gives 0."""
+    starts = loss_mask.long().argmax(dim=1)  # [B] each row's first response position
+    return max(0, int(starts.min()) - num_heads - 1) if starts.numel() else 0
 
 
 def rank_hits(topk: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -113,7 +113,7 @@ def evaluate_heads(model: DecoderModel, heads: MedusaHeads, batches, tree: TreeS
     targets, accepted = 0, []
     for batch in batches:
         ids = batch.input_ids.to(device)
-        begin = first_scored_position(batch.loss_mask, batch.lengths, heads.config.num_heads)
+        begin = first_scored_position(batch.loss_mask, heads.config.num_heads)
         topk = head_topk(model, heads, ids, max_rank, begin)  # [B, T, K, R]
         for row in range(ids.shape[0]):
             n = int(batch.lengths[row])

@@ -51,7 +51,7 @@ def test_scoring_skips_only_prompt_positions_nothing_reads(monkeypatch):
     prompts = [torch.randint(0, 16, (n,), generator=gen).tolist() for n in (30, 12, 45)]
     answers = [torch.randint(0, 16, (n,), generator=gen).tolist() for n in (20, 25, 9)]
     seqs = Sequences.from_lists([p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts])
-    assert evaluate.first_scored_position(*_mask_and_lengths(seqs), num_heads=3) == 12 - 3 - 1
+    assert evaluate.first_scored_position(_loss_mask(seqs), num_heads=3) == 12 - 3 - 1
     tree = TreeSpec.load("tree-8")
     skipped = evaluate.evaluate_heads(model, heads, batches(seqs, 4096, 0, 0), tree=tree)
     monkeypatch.setattr(evaluate, "first_scored_position", lambda *args, **kwargs: 0)
@@ -68,8 +68,7 @@ def test_head_topk_marks_skipped_positions():
     assert (part[:, :7] == -1).all() and torch.equal(part[:, 7:], full[:, 7:])
 
 
-def _mask_and_lengths(seqs):
+def _loss_mask(seqs):
     from medusa.training.data import batches
 
-    batch = next(iter(batches(seqs, 4096, 0, 0)))
-    return batch.loss_mask, batch.lengths
+    return next(iter(batches(seqs, 4096, 0, 0))).loss_mask
