@@ -268,14 +268,17 @@ class LLMEngine:
         accuracies = None
         if self.heads is not None:
             accuracies = self.heads.config.accuracies or unmeasured_prior(self.heads.config.num_heads)
-        if not accuracies:  # plain decoding only: capture the single-node step
-            for bucket in buckets:
+        if not accuracies or len(self.scheduler.trees) == 1:
+            # nothing to choose (plain decoding, or one tree: `spec_bench.py --pin-tree`): the token budget's
+            # tree, captured where it stays under max_graph_tokens (other buckets capture at first use)
+            fixed = [b for b in buckets if self._fits_warmup(b, self.scheduler.tree_for(b))]
+            for bucket in fixed:
                 step.capture(self._device_tree(self.scheduler.tree_for(bucket)), bucket)
-            self._capture_mixed(buckets, lambda bucket: [self.scheduler.tree_for(bucket)])
+            self._capture_mixed(fixed, lambda bucket: [self.scheduler.tree_for(bucket)])
             return {b: self.scheduler.tree_for(b).label for b in buckets}
         for bucket in buckets:
             for tree in self.scheduler.trees:
-                if tree.num_nodes > 1 and bucket * tree.num_nodes > self.config.max_graph_tokens:
+                if not self._fits_warmup(bucket, tree):
                     continue
                 if self.policy.add_prior(tree, accuracies):
                     # a plain step that stays plain skips the heads: that is its cost. The variant
@@ -297,6 +300,11 @@ class LLMEngine:
         timed = [b for b in buckets if b in self.policy.step_cost]  # the trees each will run first
         self._capture_mixed(timed, lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]])))
         return {b: self.policy.choose(b).label for b in buckets}
+
+    def _fits_warmup(self, bucket: int, tree: TreeSpec) -> bool:
+        """Whether warmup captures (and times) `tree` at this batch bucket: plain steps always, trees while
+        bucket x nodes stays within max_graph_tokens (larger ones would cost warmup more than they return)."""
+        return tree.num_nodes == 1 or bucket * tree.num_nodes <= self.config.max_graph_tokens
 
     def _capture_mixed(self, buckets: list[int], trees) -> None:
         """Capture, for each batch bucket, the decode graphs of `trees(bucket)` carrying each prompt token

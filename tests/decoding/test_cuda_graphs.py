@@ -145,3 +145,22 @@ def test_warmup_of_one_batch_bucket_serves_any_batch(default_model_dir):
     prompts = [model.encode([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Count to five.")]
     references = [model.generate(p, max_new_tokens=20, speculative=False).token_ids for p in prompts]
     assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=20))] == references
+
+
+def test_warmup_of_an_engine_with_one_tree(default_model_dir):
+    """An engine given one tree (`spec_bench.py --pin-tree`: the heads' own) has nothing to time: warmup
+    reports that tree for every bucket (it raised KeyError where bucket x nodes passed max_graph_tokens),
+    every Medusa step verifies it, and greedy tokens are plain greedy's."""
+    model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
+    config = model.engine_config()
+    own = config.trees[-1]
+    engine = LLMEngine(model.base, model.heads, replace(config, trees=(own,)), model.tokenizer,
+                       sorted(model.eos_token_ids))
+    (only,) = engine.scheduler.trees
+    chosen = engine.warmup()
+    assert set(chosen.values()) == {only.label} and len(chosen) > 1
+    assert not engine.policy.step_cost  # no timed policy
+    prompts = [model.encode([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Count to five.")]
+    references = [model.generate(p, max_new_tokens=20, speculative=False).token_ids for p in prompts]
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=20))] == references
+    assert set(engine.stats().steps_per_tree) == {only.label}
