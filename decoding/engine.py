@@ -29,6 +29,7 @@ last few tokens (`prompt_lookup.py`, computed on the device from each row's toke
 from __future__ import annotations
 
 import itertools
+import numbers
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -84,6 +85,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {self.num_blocks}, {self.block_size}")
+        if not self.trees:
+            raise ValueError("trees is empty: give at least one tree name or TreeSpec ('single' is plain decoding)")
+        if not isinstance(self.max_graph_tokens, int) or self.max_graph_tokens < 1:
+            raise ValueError(f"max_graph_tokens must be an integer >= 1, got {self.max_graph_tokens!r}")
         if not isinstance(self.mixed_prompt_tokens, int) or self.mixed_prompt_tokens < 0:
             raise ValueError(f"mixed_prompt_tokens must be an integer >= 0, got {self.mixed_prompt_tokens!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -166,6 +171,17 @@ def _until_stop_string(request: _Request, tokens: list[int]) -> tuple[list[int],
     return tokens, False
 
 
+def _check_token_ids(ids: list, vocab: int) -> None:
+    """Prompt token ids must be integers in [0, vocab): a bad id would index past the embedding on the device."""
+    array = np.asarray(ids)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), ids)
+        raise ValueError(f"prompt token ids must be integers, got {bad!r}")
+    if array.min() < 0 or array.max() >= vocab:
+        bad = int(array[(array < 0) | (array >= vocab)][0])
+        raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
+
+
 class LLMEngine:
     def __init__(self, model: DecoderModel, heads: MedusaHeads | None, config: EngineConfig = EngineConfig(),
                  tokenizer: Any = None, eos_token_ids: Seq[int] = ()) -> None:
@@ -174,7 +190,11 @@ class LLMEngine:
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         trees = [t if isinstance(t, TreeSpec) else TreeSpec.load(t) for t in config.trees] if heads is not None \
             else [TreeSpec.load("single")]
-        trees = [t for t in trees if heads is None or t.head_depth <= heads.config.num_heads]
+        usable = [t for t in trees if heads is None or t.head_depth <= heads.config.num_heads]
+        if not usable:
+            raise ValueError(f"no tree in config.trees fits the heads: each needs more than their "
+                             f"{heads.config.num_heads} heads ({', '.join(f'{t.label}: {t.head_depth}' for t in trees)})")
+        trees = usable
         trees = _with_lookup(trees, config.prompt_lookup)
         self.scheduler = Scheduler(config.scheduler, self.blocks, trees)
         self._device_trees: dict[TreeSpec, DeviceTree] = {}
@@ -210,9 +230,18 @@ class LLMEngine:
         return self._add(prompt, params, request_id, quiet=False)
 
     def _add(self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None, quiet: bool) -> str:
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:  # token ids: a list, or a 1-D tensor / array
+            ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        if not isinstance(prompt, str):
+            _check_token_ids(ids, vocab)
+        too_big = [t for t in params.stop_token_ids if t >= vocab]
+        if too_big:
+            raise ValueError(f"stop_token_ids {too_big} are past the model's vocabulary of {vocab} tokens")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's "
                              f"context of {self.max_model_len} tokens (max_model_len)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from medusa.decoding.sampler import SamplingConfig
@@ -34,9 +35,19 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
+        for name in ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs"):
+            value = getattr(self, name)
+            if not (value is None and name in ("seed", "logprobs")) and not _is_int(value):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if isinstance(self.stop, str):  # one stop string, as the OpenAI API allows
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop strings must be non-empty strings, got {text!r} in stop={self.stop!r}")
+        for token in self.stop_token_ids:
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {token!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -55,6 +66,10 @@ class SamplingParams:
             object.__setattr__(self, name, float(value))
         if self.output_kind not in ("delta", "final"):
             raise ValueError(f"output_kind must be 'delta' or 'final', got {self.output_kind!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         self.sampling()  # validates temperature, top_p, top_k
 
     @property
@@ -63,3 +78,8 @@ class SamplingParams:
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+
+
+def _is_int(value) -> bool:
+    """A Python or NumPy integer, not a bool (True would pass as max_tokens=1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -1,0 +1,80 @@
+"""Bad input to the engine's API is refused at once, with an error that names the problem
+(not a TypeError from deep inside, a silent default, or a device-side index error later)."""
+
+import numpy as np
+import pytest
+
+from medusa.decoding.engine import EngineConfig, LLMEngine
+from medusa.decoding.sampling_params import SamplingParams
+from tiny_models import tiny_decoder
+
+VOCAB = 24
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=1.5), "max_tokens must be an integer, got 1.5"),
+    (dict(max_tokens=True), "max_tokens must be an integer, got True"),
+    (dict(seed="7"), "seed must be an integer, got '7'"),
+    (dict(n=2.0), "n must be an integer"),
+    (dict(top_k=None), "top_k must be an integer"),
+    (dict(logprobs=1.0), "logprobs must be an integer"),
+    (dict(temperature="0.7"), "temperature must be a number, got '0.7'"),
+    (dict(stop=[""]), "stop strings must be non-empty strings, got ''"),
+    (dict(stop=["end", 3]), "stop strings must be non-empty strings, got 3"),
+    (dict(stop_token_ids=[-1]), r"stop_token_ids must be token ids \(integers >= 0\), got -1"),
+    (dict(stop_token_ids=["2"]), "stop_token_ids must be token ids"),
+])
+def test_sampling_params_reject_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accept_what_clients_send():
+    assert SamplingParams(stop="###").stop == ("###",)  # one string, as the OpenAI API allows
+    params = SamplingParams(max_tokens=np.int64(8), seed=np.int32(3), stop_token_ids=[np.int64(5)], temperature=1)
+    assert params.stop_token_ids == (5,) and type(params.stop_token_ids[0]) is int
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(trees=()), "trees is empty"),
+    (dict(max_graph_tokens=0), "max_graph_tokens must be an integer >= 1, got 0"),
+])
+def test_engine_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model, heads = tiny_decoder(VOCAB, num_heads=2)
+    return LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4))
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([1, 2, VOCAB], rf"prompt token id {VOCAB} is outside the model's vocabulary \[0, {VOCAB}\)"),
+    ([3, -1], r"prompt token id -1 is outside"),
+    ([1, 2.5], "prompt token ids must be integers, got 2.5"),
+    ([[1, 2]], "prompt token ids must be integers"),
+])
+def test_engine_rejects_prompt_ids_outside_the_vocabulary(engine, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, SamplingParams(max_tokens=4))
+    assert not engine.has_unfinished()  # nothing half-added
+
+
+def test_engine_rejects_stop_token_ids_past_the_vocabulary(engine):
+    with pytest.raises(ValueError, match=rf"stop_token_ids \[{VOCAB + 1}\] are past the model's vocabulary"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=[2, VOCAB + 1]))
+
+
+def test_engine_rejects_trees_deeper_than_the_heads():
+    model, heads = tiny_decoder(VOCAB, num_heads=2)
+    with pytest.raises(ValueError, match="no tree in config.trees fits the heads: each needs more than their 2 heads"):
+        LLMEngine(model, heads, EngineConfig(trees=("chain-3", "chain-4")))
+
+
+def test_engine_takes_prompt_ids_as_a_list_tensor_or_array(engine):
+    import torch
+
+    outs = engine.generate([[1, 2, 3], torch.tensor([1, 2, 3]), np.array([1, 2, 3])], SamplingParams(max_tokens=3))
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
