@@ -70,6 +70,19 @@ def default_prompt_lookup(device: torch.device) -> int:
     return DEFAULT_PROMPT_LOOKUP if torch.device(device).type == "cuda" else 0
 
 
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """torch.bfloat16 or "bfloat16" (as Hugging Face's torch_dtype takes it); None or "auto": the device's default."""
+    if dtype is None or dtype == "auto":
+        return None
+    resolved = WEIGHT_DTYPES.get(dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    if resolved not in WEIGHT_DTYPES.values():
+        raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)} (or 'auto'), got {dtype!r}")
+    return resolved
+
+
 class MedusaModel:
     def __init__(self, base: DecoderModel, tokenizer: Any, heads: MedusaHeads | None = None,
                  tree: TreeSpec | str | None = None, system_prompt: str | None = None,
@@ -81,6 +94,8 @@ class MedusaModel:
         EngineConfig(prompt_lookup=prompt_lookup)  # refuse a bad value now, not at the first engine
         self.prompt_lookup = prompt_lookup  # the engine's EngineConfig.prompt_lookup
         self.eos_token_ids = _eos_ids(base, tokenizer)
+        if isinstance(tree, str) and tree != "auto":
+            tree = TreeSpec.load(tree)  # an unknown name fails here, not at the first generate()
         self._tree_choice = tree
         self._auto_choice: TreeSpec | None = None  # the tree choose_tree measured, once it has
         self._decoders: dict[tuple[TreeSpec, bool], TreeDecoder] = {}
@@ -88,7 +103,7 @@ class MedusaModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, heads: str | Path | MedusaHeads | None = None,
-                        tree: TreeSpec | str | None = None, dtype: torch.dtype | None = None,
+                        tree: TreeSpec | str | None = None, dtype: torch.dtype | str | None = None,
                         device: str | torch.device | None = None,
                         prompt_lookup: int | None = None) -> "MedusaModel":
         """A checkpoint folder or .gguf (None: the default model) with its heads.
@@ -97,14 +112,17 @@ class MedusaModel:
         MedusaHeads, or None (the default model's shipped heads; no heads, i.e.
         plain decoding, for any other model). tree: a TreeSpec, a named tree,
         "auto" (measure step cost on this device), or None (the heads' own tree,
-        else "auto"). prompt_lookup: L > 0 adds L prompt-lookup nodes (n-gram copies of
+        else "auto"). dtype: torch.bfloat16 or its name, None: bfloat16 on a GPU, float32 on a
+        CPU. prompt_lookup: L > 0 adds L prompt-lookup nodes (n-gram copies of
         earlier text) to speculative trees; None: 4 on a GPU, 0 on a CPU (see
         DEFAULT_PROMPT_LOOKUP); 0: the heads alone. Outputs are unchanged either way.
         """
         from medusa import default_model
 
         device = torch.device(device) if device is not None else default_device()
-        dtype = dtype or default_dtype(device)
+        dtype = _resolve_dtype(dtype) or default_dtype(device)
+        if isinstance(tree, str) and tree != "auto":
+            tree = TreeSpec.load(tree)  # a bad name fails before the weights load
         system_prompt = None
         if path is None:
             path, system_prompt = default_model.default_model_path(), default_model.DEFAULT_SYSTEM_PROMPT

@@ -102,6 +102,20 @@ def test_bad_settings_are_named(model):
         model.chat("x", acceptance="optimistic")
 
 
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(tree="tree-999"), "unknown tree 'tree-999'; available: "),
+    (dict(dtype="float8"), "dtype must be one of float32, bfloat16, float16 .or 'auto'., got 'float8'"),
+    (dict(dtype=torch.int8), "dtype must be one of"),
+])
+def test_bad_load_settings_are_named_before_the_weights_load(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        MedusaModel.from_pretrained("/no/such/model", **kwargs)  # the path is never read
+
+
+def test_dtype_by_name(default_model_dir):
+    assert MedusaModel.from_pretrained(device="cpu", dtype="bfloat16").base.embed_tokens.weight.dtype == torch.bfloat16
+
+
 def test_the_tree_measured_here_is_gated_and_a_pinned_one_is_not(model, monkeypatch):
     """Only the automatic choice may fall back to plain steps (speculation_gate.py): a tree the
     caller named runs as named."""
