@@ -38,6 +38,17 @@ class HeadsSection:
     # carry signal from the first step
     init_from: str | None = None
 
+    def __post_init__(self) -> None:
+        """The heads' own rules (HeadsConfig's), checked before hours of self-distillation rather than after."""
+        from medusa.heads import HeadsConfig
+
+        try:
+            HeadsConfig(hidden_size=1, vocab_size=1, num_heads=self.num_heads, num_layers=self.num_layers,
+                        lm_head=self.lm_head, lora_rank=self.lora_rank, condition_on_root=self.condition_on_root,
+                        condition_on_chain=self.condition_on_chain)
+        except ValueError as err:
+            raise ValueError(str(err).replace("HeadsConfig.", "heads.")) from None
+
 
 @dataclass(frozen=True)
 class SourceSpec:
@@ -82,6 +93,9 @@ class DataSection:
     def __post_init__(self) -> None:
         if self.sources is not None:
             object.__setattr__(self, "sources", _parse_sources(self.sources))
+            if not self.sources:
+                raise ValueError("data.sources is empty: list at least one prompt file, or leave it out (null) "
+                                 "for the default ones (GSM8K train and Self-Instruct)")
         for key in ("max_new_tokens", "distill_batch_size", "self_prompt_max_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
@@ -255,8 +269,25 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if kind in options:
             if kind is bool and not isinstance(value, bool):
                 raise ValueError(f"config key {key} must be true or false, got {value!r}")
+            if kind is int:
+                return _integer(value, key)
             try:
                 return value if kind is bool else kind(value)
             except (TypeError, ValueError):
                 raise ValueError(f"config key {key} must be a {kind.__name__}, got {value!r}") from None
     return value
+
+
+def _integer(value: Any, key: str) -> int:
+    """12000, "12000" or "1.2e4" (YAML reads that as a string) -> 12000; 1.5, true or "many" -> an error, not 1."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)  # "12000": exact however large (a seed), where a float would round
+    try:
+        number = float(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not number.is_integer():
+        raise ValueError(f"config key {key} must be an int, got {value!r}")
+    return int(number)

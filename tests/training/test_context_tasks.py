@@ -182,7 +182,7 @@ def test_prompts_are_seeded_and_kinds_independent(chat_tokenizer):
 
 @pytest.mark.parametrize("override, message", [
     ("data.context_tasks=-1", "data.context_tasks must be >= 0"),
-    ("data.context_tasks=lots", "data.context_tasks must be a int"),
+    ("data.context_tasks=lots", "data.context_tasks must be an int"),
     ("data.context_task_kinds=[rag, poems]", r"data.context_task_kinds: unknown kind\(s\) \['poems'\]"),
     ("data.context_task_kinds=[]", "data.context_task_kinds must list each kind once"),
     ("data.context_task_kinds=[rag, rag]", "data.context_task_kinds must list each kind once"),

@@ -96,6 +96,24 @@ def test_unknown_config_key_is_named():
         load_config("no-such-recipe")
 
 
+@pytest.mark.parametrize("override, error", [
+    ("heads.num_heads=0", "heads.num_heads must be an int >= 1, got 0"),
+    ("heads.lm_head=own", "heads.lm_head must be one of"),
+    ("heads.num_layers=1.5", "config key heads.num_layers must be an int, got 1.5"),
+    ("train.epochs=true", "config key train.epochs must be an int, got True"),
+    ("data.sources=[]", "data.sources is empty: list at least one prompt file, or leave it out"),
+])
+def test_bad_settings_fail_before_any_work(override, error):
+    """Checked when the config loads, not after the self-distillation they would follow."""
+    with pytest.raises(ValueError, match=error):
+        load_config(None, [override])
+
+
+def test_integer_settings_take_what_yaml_gives():
+    config = load_config(None, ["data.self_prompts=1.2e4", "train.epochs=2.0", "seed=123456789012345678"])
+    assert (config.data.self_prompts, config.train.epochs, config.seed) == (12000, 2, 123456789012345678)
+
+
 def test_heads_can_start_from_trained_ones(tmp_path):
     """heads.init_from (Medusa-2 after Medusa-1): the weights come in, and training starts from their loss."""
     trained = make_trainer(tmp_path / "a", "train.epochs=20", "train.save_every=0")
