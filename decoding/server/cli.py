@@ -50,6 +50,8 @@ def serve(args: argparse.Namespace) -> int:
 
     if args.max_num_seqs < 1 or args.max_waiting < 1 or (args.num_kv_blocks is not None and args.num_kv_blocks < 1):
         raise ValueError("--max-num-seqs, --max-waiting and --num-kv-blocks must be >= 1")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     start = time.perf_counter()
