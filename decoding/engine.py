@@ -277,8 +277,9 @@ class LLMEngine:
     def warmup(self, context: int = 512, max_batch: int | None = None) -> dict[int, str]:
         """Capture the prefill and decode steps' CUDA graphs and, with heads, let the measured
         tree policy (`tree_policy.py`) pick each batch size's tree: its prior comes from the
-        heads' measured accuracies, or a cautious guess for heads that carry none. A no-op
-        on the CPU. Returns bucket -> chosen tree name.
+        heads' measured accuracies, or a cautious guess for heads that carry none. An engine
+        with one tree (or no heads) has nothing to choose: its tree runs wherever the token
+        budget allows. A no-op on the CPU. Returns bucket -> chosen tree name.
 
         max_batch: only the batch buckets up to this many sequences (`medusa generate` runs one
         request, so bucket 1; every bucket took 23 s for the default model on an H200); None: up to
