@@ -132,6 +132,13 @@ def test_penalties_are_served(tiny_client):
         assert resp.status_code == 200, resp.text
 
 
+def test_any_64_bit_seed_is_served(tiny_client):
+    """OpenAI clients send int64 seeds (-1 too); the protocol takes [-2**63, 2**64), and every such seed samples."""
+    for seed in (-1, -2**63, 2**63 + 5, 2**64 - 1):
+        resp = post(tiny_client, CHAT, chat(seed=seed, temperature=1.0, max_tokens=3))
+        assert resp.status_code == 200, (seed, resp.text)
+
+
 def test_penalties_reach_the_engine(tiny_model):
     from medusa.decoding.server.jobs import chat_job, completion_job
     from medusa.decoding.server.protocol import ChatCompletionRequest, CompletionRequest
