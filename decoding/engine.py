@@ -32,6 +32,7 @@ import itertools
 import numbers
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence as Seq
 
@@ -171,6 +172,12 @@ def _until_stop_string(request: _Request, tokens: list[int]) -> tuple[list[int],
     return tokens, False
 
 
+def _checked_params(params: Any) -> SamplingParams:
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams (or one per prompt), got {type(params).__name__}")
+    return params
+
+
 def _check_token_ids(ids: list, vocab: int) -> None:
     """Prompt token ids must be integers in [0, vocab): a bad id would index past the embedding on the device."""
     array = np.asarray(ids)
@@ -230,10 +237,15 @@ class LLMEngine:
         return self._add(prompt, params, request_id, quiet=False)
 
     def _add(self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None, quiet: bool) -> str:
+        params = _checked_params(params)
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        else:  # token ids: a list, or a 1-D tensor / array
-            ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+        elif hasattr(prompt, "tolist"):  # a 1-D tensor / array of token ids
+            ids = prompt.tolist()
+        elif isinstance(prompt, Iterable) and not isinstance(prompt, (dict, bytes)):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.model.config.vocab_size
@@ -358,9 +370,23 @@ class LLMEngine:
         """Run to completion; one output per prompt and completion, ordered by (prompt, index). Only the
         finished outputs are returned, so the text is decoded once per request (output_kind="final") and
         step() builds no output for a request before it finishes."""
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        params = [replace(p, output_kind="final") for p in params]
-        ids = [(self._add(p, sp, None, quiet=True), sp.n) for p, sp in zip(prompts, params)]
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif isinstance(params, Seq) and not isinstance(params, str):
+            params = list(params)
+        else:
+            _checked_params(params)  # raises, naming the type
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
+        params = [replace(_checked_params(p), output_kind="final") for p in params]
+        ids = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                ids.append((self._add(prompt, sp, None, quiet=True), sp.n))
+        except Exception:  # a bad prompt: the ones queued before it must not run on a later step
+            for rid, _ in ids:
+                self.abort(rid)
+            raise
         final: dict[tuple[str, int], RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -78,3 +78,14 @@ def test_engine_takes_prompt_ids_as_a_list_tensor_or_array(engine):
 
     outs = engine.generate([[1, 2, 3], torch.tensor([1, 2, 3]), np.array([1, 2, 3])], SamplingParams(max_tokens=3))
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+
+
+def test_generate_checks_its_arguments_and_leaves_nothing_queued(engine):
+    with pytest.raises(ValueError, match="got 2 prompts but 1 SamplingParams: give one, or one per prompt"):
+        engine.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=3)])
+    with pytest.raises(ValueError, match="params must be a SamplingParams .or one per prompt., got dict"):
+        engine.generate([[1, 2]], {"max_tokens": 3})
+    with pytest.raises(ValueError, match="a prompt is a string or a sequence of token ids, got NoneType"):
+        engine.generate([[1, 2], [3, 4], None], SamplingParams(max_tokens=3))
+    assert not engine.has_unfinished() and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert [len(o.token_ids) for o in engine.generate([[1, 2], iter([3, 4])], SamplingParams(max_tokens=3))] == [3, 3]
