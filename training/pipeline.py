@@ -17,7 +17,7 @@ from medusa.training.data import Sequences, batches
 from medusa.training.distill import self_distill
 from medusa.training.evaluate import EvalResult, evaluate_heads
 from medusa.training.prompt_mix import PromptPool, gather_prompts
-from medusa.training.trainer import Trainer
+from medusa.training.trainer import Trainer, latest_checkpoint, no_checkpoint_message
 from medusa.tree import TreeSpec
 
 
@@ -52,6 +52,8 @@ def run_training(config: TrainConfig, resume: bool = False, tree_name: str | Non
 
     state = PartialState(cpu=not torch.cuda.is_available())
     output = Path(config.output_dir)
+    if resume and latest_checkpoint(output) is None:  # before minutes of self-distillation, not after
+        raise FileNotFoundError(no_checkpoint_message(output))
     if state.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
         (output / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))

@@ -255,14 +255,12 @@ class Trainer:
         return path
 
     def _latest_checkpoint(self) -> Path | None:
-        found = sorted((self.output / "checkpoints").glob("step-*"))
-        found = [p for p in found if (p / "trainer_state.json").is_file()]
-        return found[-1] if found else None
+        return latest_checkpoint(self.output)
 
     def _resume(self) -> None:
         path = self._latest_checkpoint()
         if path is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.output / 'checkpoints'}")
+            raise FileNotFoundError(no_checkpoint_message(self.output))
         self.accelerator.load_state(str(path))
         saved = json.loads((path / "trainer_state.json").read_text())
         self.state = TrainState(epoch=saved["epoch"], batch_in_epoch=saved["batch_in_epoch"], step=saved["step"])
@@ -296,3 +294,15 @@ def _with_adapter(base: DecoderModel, config: TrainConfig):
     base.requires_grad_(False)
     lora = LoraConfig(r=m2.lora_r, lora_alpha=m2.lora_alpha, target_modules=list(m2.target_modules), lora_dropout=0.0)
     return get_peft_model(base, lora)
+
+
+def latest_checkpoint(output: Path) -> Path | None:
+    """The newest complete checkpoint under output/checkpoints (one whose trainer_state.json was written)."""
+    found = sorted((Path(output) / "checkpoints").glob("step-*"))
+    found = [p for p in found if (p / "trainer_state.json").is_file()]
+    return found[-1] if found else None
+
+
+def no_checkpoint_message(output: Path) -> str:
+    return (f"--resume: no checkpoint under {Path(output) / 'checkpoints'} (check output_dir, or train "
+            "without --resume to start afresh)")

@@ -198,3 +198,12 @@ def test_chained_heads_learn_from_the_chain(tmp_path, chained):
     top1 = final_top1(tmp_path, triple_data(), 1, "heads.num_heads=2", f"heads.condition_on_chain={str(chained).lower()}")
     # head 1 can be right at every triple's end (a third of the positions) only when it reads the chain
     assert top1 > 0.28 if chained else top1 < 0.15
+
+
+def test_resume_without_a_checkpoint_fails_before_loading_or_distilling(tmp_path, monkeypatch):
+    from medusa.training import pipeline
+
+    monkeypatch.setattr(pipeline, "load_base", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    config = load_config(None, [f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(FileNotFoundError, match=r"--resume: no checkpoint under .*run/checkpoints \(check output_dir"):
+        pipeline.run_training(config, resume=True)
