@@ -55,15 +55,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
-
     from medusa.medusa_model import MedusaModel
 
     heads = None if args.heads in (None, "none") else args.heads
     start = time.perf_counter()
     lookup = {} if args.prompt_lookup is None else {"prompt_lookup": args.prompt_lookup}
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = MedusaModel.from_pretrained(args.model, heads=heads, device=args.device, dtype=dtype, **lookup)
+    model = MedusaModel.from_pretrained(args.model, heads=heads, device=args.device, dtype=args.dtype, **lookup)
     if args.heads == "none":
         model.heads = None
     inputs = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]

@@ -83,6 +83,11 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return resolved
 
 
+def _named_tree(tree: TreeSpec | str | None) -> TreeSpec | str | None:
+    """A tree name -> its TreeSpec (an unknown name raises, listing the known ones); "auto", None and specs as given."""
+    return TreeSpec.load(tree) if isinstance(tree, str) and tree != "auto" else tree
+
+
 class MedusaModel:
     def __init__(self, base: DecoderModel, tokenizer: Any, heads: MedusaHeads | None = None,
                  tree: TreeSpec | str | None = None, system_prompt: str | None = None,
@@ -94,9 +99,7 @@ class MedusaModel:
         EngineConfig(prompt_lookup=prompt_lookup)  # refuse a bad value now, not at the first engine
         self.prompt_lookup = prompt_lookup  # the engine's EngineConfig.prompt_lookup
         self.eos_token_ids = _eos_ids(base, tokenizer)
-        if isinstance(tree, str) and tree != "auto":
-            tree = TreeSpec.load(tree)  # an unknown name fails here, not at the first generate()
-        self._tree_choice = tree
+        self._tree_choice = _named_tree(tree)  # an unknown name fails here, not at the first generate()
         self._auto_choice: TreeSpec | None = None  # the tree choose_tree measured, once it has
         self._decoders: dict[tuple[TreeSpec, bool], TreeDecoder] = {}
         self._engines: dict[bool, LLMEngine] = {}
@@ -121,8 +124,7 @@ class MedusaModel:
 
         device = torch.device(device) if device is not None else default_device()
         dtype = _resolve_dtype(dtype) or default_dtype(device)
-        if isinstance(tree, str) and tree != "auto":
-            tree = TreeSpec.load(tree)  # a bad name fails before the weights load
+        tree = _named_tree(tree)  # a bad name fails before the weights load
         system_prompt = None
         if path is None:
             path, system_prompt = default_model.default_model_path(), default_model.DEFAULT_SYSTEM_PROMPT

@@ -163,7 +163,7 @@ class Trainer:
             if not self._finite_everywhere(loss):
                 raise TrainingDivergedError(
                     f"loss became {loss.item()} at step {self.state.step + 1} (epoch {self.state.epoch}); "
-                    f"stopped before updating weights. Last good checkpoint: {self._latest_checkpoint()}. "
+                    f"stopped before updating weights. Last good checkpoint: {latest_checkpoint(self.output)}. "
                     "Try a lower train.lr or train.max_grad_norm.")
             acc.backward(loss)
             if acc.sync_gradients:
@@ -254,11 +254,8 @@ class Trainer:
             (path / "train_config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         return path
 
-    def _latest_checkpoint(self) -> Path | None:
-        return latest_checkpoint(self.output)
-
     def _resume(self) -> None:
-        path = self._latest_checkpoint()
+        path = latest_checkpoint(self.output)
         if path is None:
             raise FileNotFoundError(no_checkpoint_message(self.output))
         self.accelerator.load_state(str(path))
