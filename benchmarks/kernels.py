@@ -260,6 +260,8 @@ def main() -> None:
     p.add_argument("--table-keys", type=int, default=8192,
                    help="block-table width of the step curve in tokens, as the engine sizes it for its longest "
                         "context (sessions 1-12 used context + 128)")
+    p.add_argument("--batches", type=int, nargs="+", help="step-curve batch sizes (default 1 8 32)")
+    p.add_argument("--tree-sizes", type=int, nargs="+", help="step-curve tokens per sequence (default 1 to 128)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if (args.launch_sweep or args.split_sweep) and device.type != "cuda":
@@ -269,7 +271,8 @@ def main() -> None:
     args.contexts = [512, 1024, 2048, 4096] if big else [64, 128]
     args.batch, args.tree = (32, 64) if big else (2, 8)
     args.q_heads, args.kv_heads, args.head_dim = (32, 8, 128) if big else (4, 2, 64)
-    args.batches, args.tree_sizes = ([1, 8, 32], [1, 2, 4, 8, 16, 32, 64, 128]) if big else ([1, 2], [1, 4])
+    batches, tree_sizes = ([1, 8, 32], [1, 2, 4, 8, 16, 32, 64, 128]) if big else ([1, 2], [1, 4])
+    args.batches, args.tree_sizes = args.batches or batches, args.tree_sizes or tree_sizes
     args.step_context, args.repeats = (512, 20) if big else (32, 2)
     shape = args.shape if big else "tiny (quick)"
     args.copy_bytes_s = copy_bandwidth(device, 1024 if big else 16)

@@ -12,13 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from medusa.kernels.pdl import pdl_options, wait_for_previous
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, size, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < size
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # no kernel writes it: read before waiting
+    wait_for_previous(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
@@ -27,7 +31,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / size + eps)
     normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * size + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -48,12 +51,13 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows_x.shape[0]:
         _rms_norm_kernel[(rows_x.shape[0],)](rows_x, rows_r, weight, out, res_out, rows_x.stride(0),
                                              rows_r.stride(0), size, eps, HAS_RESIDUAL=residual is not None,
-                                             BLOCK=triton.next_power_of_2(size))
+                                             BLOCK=triton.next_power_of_2(size), **pdl_options(x, rows_x.shape[0]))
     return out, (res_out if residual is not None else None)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, size, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, size, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < size
@@ -73,7 +77,8 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], size, dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(size), 1024)
     if rows.shape[0]:
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](rows, out, rows.stride(0), size, BLOCK=block)
+        grid = (rows.shape[0], triton.cdiv(size, block))
+        _silu_and_mul_kernel[grid](rows, out, rows.stride(0), size, BLOCK=block, **pdl_options(x, rows.shape[0]))
     return out
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from medusa.kernels.fused_ops_triton import _rotate_q, _rotate_rows
+from medusa.kernels.pdl import pdl_options, wait_for_previous
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 
@@ -45,11 +46,12 @@ def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, kv_lens_ptr, qstart_ptr, causal_ptr,
     bits_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb, qk_scale,
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     # Grid (row tiles, KV heads * splits, sequences): the row tiles of one (sequence, KV head,
     # split) are adjacent program ids, so they run at the same time and read the same K/V
     # chunks; all but the first read of each chunk then come from L2 instead of HBM.
+    wait_for_previous(PDL)  # q and the step's tables come from kernels before this one
     tile = tl.program_id(0)
     kv_head = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
@@ -139,7 +141,8 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads,
-                         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -196,10 +199,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), scale * _LOG2E,  # softmax in exp2: scores (and stored maxima) in log2 units
         NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         **(launch or _launch_config(block_m, block_n, head_dim, q.element_size())),
+        **pdl_options(q, q.shape[0]),
     )
     if num_splits > 1 and q.shape[0]:
         _merge_splits_kernel[(q.shape[0], num_heads)](out, part_acc, part_ml, out.stride(0), out.stride(1),
-                                                      num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim)
+                                                      num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+                                                      **pdl_options(q, q.shape[0]))
     return out
 
 
@@ -304,9 +309,10 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, cos_ptr,
                           sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
                           stride_ch, num_q_heads, num_kv_heads,
-                          HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
+                          HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, PDL: tl.constexpr):
     # One program per token: q rotated into q_out; k rotated straight into its cache slot and v
     # copied there, so k is never written out and read back by a second kernel.
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _rotate_q(q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr, token, stride_qt, stride_qh, num_q_heads,
                          HALF, BLOCK_QH)
@@ -348,7 +354,8 @@ def rope_write_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
             q, k, v, q_out, k_cache, v_cache, positions.contiguous(), slot_mapping, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), q.shape[1], k.shape[1],
-            HALF=half, BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]))
+            HALF=half, BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+            **pdl_options(q, t))
     return q_out
 
 

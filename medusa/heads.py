@@ -49,6 +49,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from medusa.heads_formats import CONFIG_FILE, OUR_FORMAT, WEIGHTS_FILE, read_heads
+from medusa.kernels import skinny_matmul
 
 FORMAT_VERSION = 1
 LM_HEAD_KINDS = ("shared", "lora", "full")
@@ -242,7 +243,7 @@ class MedusaHeads(nn.Module):
             return torch.bmm(flat, self.lm_heads[heads].transpose(1, 2))  # [k, N, V]
         weight = self._check_lm_head(lm_head_weight)
         # All heads against the shared matrix in ONE matmul: [k*N, H] x [H, V].
-        logits = F.linear(flat.to(weight.dtype), weight)  # [k, N, V]
+        logits = skinny_matmul.linear(flat.to(weight.dtype), weight)  # [k, N, V]
         if cfg.lm_head == "lora":
             low = torch.bmm(flat, self.lora_A[heads].transpose(1, 2))  # [k, N, r]
             delta = torch.bmm(low, self.lora_B[heads].transpose(1, 2))  # [k, N, V]

@@ -6,8 +6,10 @@ layer knows where every shard goes. Tensor parallelism can later swap these for
 column/row-parallel versions with the same `load_shard` contract.
 
 `norm_linear` is the norm plus the linear layer after it: a Triton norm kernel,
-then cuBLAS (folding the two, or SiLU-and-mul and the down projection, into one
-Triton GEMM was measured slower at every shape, benchmarks/RESULTS.md session 9).
+then the matmul (folding the two, or SiLU-and-mul and the down projection, into
+one Triton GEMM was measured slower at every shape, benchmarks/RESULTS.md
+session 9). `Linear` sends products of few rows to the skinny Triton kernels
+(`kernels/skinny_matmul.py`) and the rest to cuBLAS.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from medusa.kernels.dispatch import use_triton
 from medusa.kernels.fused_ops import add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference
+from medusa.kernels import skinny_matmul
 
 
 class RMSNorm(nn.Module):
@@ -64,7 +67,15 @@ def norm_linear(norm: RMSNorm, linear: nn.Module, x: torch.Tensor,
     return linear(h), residual
 
 
-class FusedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear whose product takes the skinny Triton kernel for a few rows on the GPU
+    (a batch-1 plain step; `kernels/skinny_matmul.py`), cuBLAS otherwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return skinny_matmul.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
     """One Linear whose output rows are the concatenation of named shards."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:

@@ -15,7 +15,9 @@ from torch import nn
 
 from medusa.attention import AttentionBackend
 from medusa.config import ModelConfig
-from medusa.layers import FusedLinear, RMSNorm, norm_linear, silu_and_mul
+from medusa.kernels import skinny_matmul
+from medusa.kernels.dispatch import overlapped_launches
+from medusa.layers import FusedLinear, Linear, RMSNorm, norm_linear, silu_and_mul
 from medusa.rope import RotaryEmbedding
 
 
@@ -26,7 +28,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 attn: AttentionBackend) -> torch.Tensor:
@@ -52,7 +54,7 @@ class MLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias=False)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self.down_proj = Linear(size, config.hidden_size, bias=False)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., T, 2I]: gate_up_proj's output, which the decoder layer computes together
@@ -91,7 +93,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.widest_input = max(config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -102,9 +105,12 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [..., T] -> final hidden states [..., T, H] (normed)."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary, attn)
-        return self.norm.add_and_norm(x, residual)[0]
+        # PDL where every matmul of the step takes a skinny kernel (kernels/pdl.py)
+        ours = skinny_matmul.covers(input_ids.numel(), self.widest_input, self.embed_tokens.weight.element_size())
+        with overlapped_launches(ours):
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions, self.rotary, attn)
+            return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V]"""

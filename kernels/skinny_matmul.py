@@ -1,0 +1,72 @@
+"""`x @ weight.T (+ bias)` for few rows: the contract of `skinny_matmul_triton.py`, and when to use it.
+
+A decode step at batch 1 multiplies one row (a plain step) or a tree's few dozen
+rows by every weight matrix. cuBLAS picks tiles made for many rows: on an H200 a
+576 x 960 projection of the default model took 3.8 us for ~1 us of weight bytes,
+and the 1B shape's 2048 x 3072 one ran at half the copy bandwidth
+(benchmarks/RESULTS.md, session 5). The Triton kernels instead give each program
+a few whole weight rows, load them before waiting on the previous kernel (PDL,
+`pdl.py`), and then multiply: one row on the CUDA cores (any K up to MAX_K), up
+to DOT_MAX_ROWS rows on the tensor cores (K up to DOT_MAX_K, so that a weight
+tile and a 16-row input tile stay within one program). Larger products keep
+cuBLAS, which is at its best there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from medusa.kernels.dispatch import use_triton
+
+KERNEL_MAX_ROWS = 16  # the one-row kernel unrolls a multiply-reduce per row over its weight tile
+# Products of one row take that kernel: every further row is another pass of float32 multiply-adds over
+# the tile on the CUDA cores, and on an H200 (RESULTS.md, session 16) steps of 4 rows ran slower than with
+# cuBLAS on the 1B and 8B shapes (8B: 7.04 against 4.67 ms), 2 rows 2% slower on the 8B shape.
+MAX_ROWS = 1
+MAX_K = 16384  # a one-row program holds whole weight rows: 1 x 16384 bf16 is its largest tile (32 KiB)
+# The tensor-core kernel: one 16-row tile of input, K up to DOT_MAX_K and a [16, K] tile within DOT_TILE_BYTES.
+# Measured on an H200 (RESULTS.md, session 16), steps of 2-16 tokens of the 135M shape (K 576 and 1536) ran
+# 0.74-0.82 ms against cuBLAS's 0.94-1.00, but 36 and 64 tokens (several tiles) 1.15 and 1.43 against 0.99
+# and 1.03, and the 1B shape's K = 2048 ran at half cuBLAS's speed at every size.
+DOT_MAX_ROWS = 16
+DOT_MAX_K = 1536
+DOT_TILE_BYTES = 64 * 1024  # K padded to a power of two: bf16 up to K 2048, float32 up to 1024
+# MEDUSA_SKINNY=0 sends every product to cuBLAS (to time one against the other, or to bisect a difference)
+ENABLED = os.environ.get("MEDUSA_SKINNY", "1") != "0"
+
+
+def skinny_matmul_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K], weight [N, K], bias [N] or None -> [..., N] in x's dtype."""
+    return F.linear(x, weight, bias)
+
+
+def fits_tensor_cores(rows: int, k: int, element_size: int) -> bool:
+    """Whether the tensor-core kernel takes `rows` rows of K = k (elements of `element_size` bytes)."""
+    padded = 1 << max(k - 1, 0).bit_length()
+    return 1 < rows <= DOT_MAX_ROWS and 0 < k <= DOT_MAX_K and 16 * padded * element_size <= DOT_TILE_BYTES
+
+
+def covers(rows: int, k: int, element_size: int) -> bool:
+    """Whether `linear` sends a product of `rows` rows and K = k to a skinny kernel (on a GPU, at inference)."""
+    return ENABLED and (0 < rows <= MAX_ROWS and 0 < k <= MAX_K or fits_tensor_cores(rows, k, element_size))
+
+
+def takes_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear` sends this product to a Triton kernel: inference on a GPU, `covers` its
+    rows and K, one dtype throughout and a contiguous weight."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    extra = (bias,) if bias is not None else ()
+    return (covers(rows, weight.shape[1], x.element_size()) and weight.is_contiguous()
+            and use_triton(x, weight, *extra))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the skinny Triton kernels where `takes_skinny` says so."""
+    if takes_skinny(x, weight, bias):
+        from medusa.kernels.skinny_matmul_triton import skinny_matmul_triton
+
+        return skinny_matmul_triton(x, weight, bias)
+    return F.linear(x, weight, bias)

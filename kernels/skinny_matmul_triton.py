@@ -1,0 +1,107 @@
+"""Triton kernel for `x @ weight.T (+ bias)` with at most a few rows (`skinny_matmul.py` has the contract).
+
+One program owns BLOCK_N whole rows of the weight ([BLOCK_N, K], about 16 KiB):
+it loads them, and the bias, before waiting on the previous kernel (PDL), so the
+weight bytes are on their way while the norm or activation before it finishes.
+Then each of the ROWS input rows is multiplied into the tile and reduced along K
+in float32, rounded once to the output dtype (as cuBLAS's epilogue rounds).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from medusa.kernels.pdl import pdl_options, wait_for_previous
+from medusa.kernels.skinny_matmul import (DOT_MAX_K, DOT_MAX_ROWS, DOT_TILE_BYTES, KERNEL_MAX_ROWS, MAX_K,
+                                           fits_tensor_cores)
+
+TILE_BYTES = 16 * 1024  # a program's weight tile (H200: 8-32 KiB tiles ran within 3% of each other)
+
+
+@triton.jit
+def _skinny_matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_om,
+                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+    k = tl.arange(0, BLOCK_K)  # the whole of K (BLOCK_K >= K)
+    n_ok = n < N
+    k_ok = k < K
+    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0)  # [BLOCK_N, BLOCK_K], read before the previous kernel is done
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    wait_for_previous(PDL)
+    for m in tl.static_range(ROWS):
+        x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+        acc = tl.sum(w.to(tl.float32) * x[None, :], 1)  # [BLOCK_N]
+        if HAS_BIAS:
+            acc += bias
+        tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    # Grid (N tiles, M tiles): the M tiles of one weight tile are adjacent programs, so all but
+    # the first read of it come from L2. One tensor-core product over the whole of K (<= DOT_MAX_K).
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k = tl.arange(0, BLOCK_K)
+    n_ok = n < N
+    k_ok = k < K
+    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0)  # [BLOCK_N, BLOCK_K], read before the previous kernel is done
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    wait_for_previous(PDL)
+    m_ok = m < M
+    x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    if IEEE:  # float32 inputs: full-precision products, not TF32
+        acc = tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(w))  # [BLOCK_M, BLOCK_N] float32
+    if HAS_BIAS:
+        acc += bias[None, :]
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def skinny_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] with at most KERNEL_MAX_ROWS rows (DOT_MAX_ROWS where K <= DOT_MAX_K), weight [N, K]
+    contiguous, bias [N] or None -> [..., N]. One row: a multiply-reduce per weight row on the CUDA cores;
+    more: a tensor-core product of 16-row tiles."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    rows = x.reshape(-1, k) if k else x.reshape(0, 0)
+    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
+        raise ValueError(f"skinny_matmul: weight must be a contiguous [N, {k}], got {tuple(weight.shape)} "
+                         f"with strides {weight.stride()}")
+    several = fits_tensor_cores(rows.shape[0], k, x.element_size())
+    if not (several or 0 < rows.shape[0] <= KERNEL_MAX_ROWS and 0 < k <= MAX_K):
+        raise ValueError(f"skinny_matmul: 1..{KERNEL_MAX_ROWS} rows of 1..{MAX_K} features, or up to "
+                         f"{DOT_MAX_ROWS} rows of K <= {DOT_MAX_K} (a [16, K] tile of at most {DOT_TILE_BYTES} "
+                         f"bytes), got x {tuple(x.shape)} of {x.dtype}")
+    if weight.dtype != x.dtype or (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype)):
+        raise ValueError(f"skinny_matmul: weight and bias [{n}] must be of x's dtype {x.dtype}, got "
+                         f"{weight.dtype}" + ("" if bias is None else f", {tuple(bias.shape)} {bias.dtype}"))
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+    block_k = triton.next_power_of_2(k)
+    if several:  # tensor cores
+        grid = (triton.cdiv(n, 16), triton.cdiv(rows.shape[0], 16))
+        _skinny_dot_kernel[grid](
+            rows, weight, bias if bias is not None else weight, out, rows.shape[0], n, k, rows.stride(0),
+            out.stride(0), BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+            IEEE=x.dtype == torch.float32, num_warps=4 if block_k <= 1024 else 8, **pdl_options(x, rows.shape[0]))
+        return out.view(*x.shape[:-1], n)
+    block_n = max(1, min(64, TILE_BYTES // x.element_size() // block_k))
+    tile_bytes = block_n * block_k * x.element_size()
+    _skinny_matmul_kernel[(triton.cdiv(n, block_n),)](
+        rows, weight, bias if bias is not None else weight, out, n, k, rows.stride(0), out.stride(0),
+        ROWS=rows.shape[0], BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+        num_warps=4 if tile_bytes <= TILE_BYTES else 8, **pdl_options(x, rows.shape[0]))
+    return out.view(*x.shape[:-1], n)

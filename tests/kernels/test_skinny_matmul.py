@@ -1,0 +1,140 @@
+"""The skinny matmul kernel (a few rows times a weight) against F.linear, and when layers take it."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from medusa.kernels import pdl  # noqa: E402
+from medusa.kernels.skinny_matmul import (  # noqa: E402
+    DOT_MAX_K, DOT_MAX_ROWS, KERNEL_MAX_ROWS, covers, skinny_matmul_reference, takes_skinny)
+from medusa.kernels.skinny_matmul_triton import skinny_matmul_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rand(g, *shape, dtype=torch.float32):
+    """Uniform in +-[0.1, 1.1): no zeros, both signs."""
+    sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
+    return ((torch.rand(*shape, generator=g) + 0.1) * sign).to(dtype).to(DEVICE)
+
+
+def close(a, b, dtype):
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    return torch.allclose(a.float(), b.float(), atol=tol * b.float().abs().max().item(), rtol=tol)
+
+
+# (rows, K, N): K not a power of two (576, 100), N not a multiple of a program's rows; one row (CUDA cores),
+# 2 to 16 rows (tensor cores: a full 16-row tile, partial ones)
+@pytest.mark.parametrize("seed,rows,k,n,bias", [(0, 1, 576, 96, False), (1, 3, 100, 37, True), (2, 16, 64, 300, False),
+                                                 (3, 2, 1536, 40, True), (4, 16, 576, 50, False), (5, 9, 1536, 16, True),
+                                                 (6, 1, 3000, 20, True)])
+def test_matches_linear(seed, rows, k, n, bias):
+    g = torch.Generator().manual_seed(seed)
+    x, w = rand(g, rows, k), rand(g, n, k)
+    b = rand(g, n) if bias else None
+    got = skinny_matmul_triton(x, w, b)
+    assert got.shape == (rows, n) and close(got, skinny_matmul_reference(x, w, b), torch.float32)
+
+
+# bf16 tensor-core products only on a GPU: the CPU interpreter computes bf16 tl.dot wrongly
+@pytest.mark.parametrize("rows,dtype", [(1, torch.bfloat16), (2, torch.float16)]
+                         + ([(2, torch.bfloat16)] if DEVICE == "cuda" else []))
+def test_half_precision_leading_dims_and_strided_rows(rows, dtype):
+    g = torch.Generator().manual_seed(4)
+    wide = rand(g, 1, rows, 200, dtype=dtype)
+    x = wide[..., :160]  # [1, rows, 160], rows strided by 200 (a column slice, as q is of the QKV output)
+    w = rand(g, 70, 160, dtype=dtype)
+    got = skinny_matmul_triton(x, w)
+    assert got.shape == (1, rows, 70) and got.dtype == dtype
+    assert close(got, skinny_matmul_reference(x, w, None), dtype)
+
+
+def test_wrapper_names_bad_inputs():
+    g = torch.Generator().manual_seed(5)
+    x, w = rand(g, 2, 32), rand(g, 16, 32)
+    with pytest.raises(ValueError, match="contiguous"):
+        skinny_matmul_triton(x, rand(g, 32, 16).t())
+    with pytest.raises(ValueError, match="rows"):
+        skinny_matmul_triton(rand(g, DOT_MAX_ROWS + 1, 32), w)
+    with pytest.raises(ValueError, match="rows"):
+        skinny_matmul_triton(rand(g, KERNEL_MAX_ROWS + 1, DOT_MAX_K + 1), rand(g, 4, DOT_MAX_K + 1))
+    with pytest.raises(ValueError, match="dtype"):
+        skinny_matmul_triton(x, w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        skinny_matmul_triton(x, w, rand(g, 15))
+
+
+def test_which_products_take_the_kernels():
+    assert covers(1, 14336, 2) and covers(16, 576, 2) and covers(9, DOT_MAX_K, 2)  # plain steps; small trees
+    assert not covers(DOT_MAX_ROWS + 1, 576, 2) and not covers(2, DOT_MAX_K + 1, 2)  # batches; wide models
+    assert covers(2, 1024, 4) and not covers(2, 1536, 4)  # float32 tiles are twice as large
+    assert not covers(0, 576, 2) and not covers(1, 0, 2)
+    g = torch.Generator().manual_seed(6)
+    w = rand(g, 16, 32)
+    if DEVICE == "cpu":
+        assert not takes_skinny(rand(g, 1, 32), w, None)  # the CPU keeps F.linear
+        return
+    assert takes_skinny(rand(g, 1, 32), w, None) and takes_skinny(rand(g, 8, 32), w, None)
+    assert not takes_skinny(rand(g, 1, 32), w.to(torch.bfloat16), None)  # mixed dtypes
+    with torch.enable_grad():
+        assert not takes_skinny(rand(g, 1, 32), w, None)  # training
+
+
+def test_no_pdl_under_the_interpreter_or_on_the_cpu():
+    assert pdl.pdl_options(torch.zeros(1), 1) == {"PDL": False}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (2048, 16384), (8192, 2048), (14336, 4096), (576, 49152)])
+def test_full_size_shapes_match_linear(k, n):
+    g = torch.Generator().manual_seed(7)
+    w = rand(g, n, k, dtype=torch.bfloat16)
+    for rows in (1, 2, 4, 8) + ((9, 16) if k <= DOT_MAX_K else ()):
+        x = rand(g, rows, k, dtype=torch.bfloat16)
+        assert close(skinny_matmul_triton(x, w), skinny_matmul_reference(x, w, None), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_pdl_chain_replayed_in_a_cuda_graph_matches_eager_references(rows):
+    """norm -> matmul -> SiLU-and-mul -> matmul, 8 times over, every kernel launched with PDL inside
+    one captured graph (a plain step's one row, a tree's 16): each kernel must still see its
+    predecessor's finished output."""
+    from medusa.kernels.dispatch import overlapped_launches
+    from medusa.kernels.fused_ops import rms_norm_reference, silu_and_mul_reference
+    from medusa.kernels.fused_ops_triton import rms_norm_triton, silu_and_mul_triton
+
+    assert pdl.pdl_enabled(torch.zeros(1, device="cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    g = torch.Generator().manual_seed(8)
+    layers = [(rand(g, 576), rand(g, 3072, 576) / 24, rand(g, 576, 1536) / 40) for _ in range(8)]
+    x = rand(g, rows, 576)
+    if rows > 1:  # float32 tiles of K = 1536 would not fit the tensor-core kernel
+        layers = [tuple(t.to(torch.bfloat16) for t in layer) for layer in layers]
+        x = x.to(torch.bfloat16)
+
+    def chain(norm, matmul, silu):
+        h = x
+        for scale, up, down in layers:
+            h = h + matmul(silu(matmul(norm(h, scale), up)), down)
+        return h
+
+    want = chain(lambda h, s: rms_norm_reference(h, s, 1e-5), lambda a, w: skinny_matmul_reference(a, w, None),
+                 silu_and_mul_reference)
+
+    def fast():
+        return chain(lambda h, s: rms_norm_triton(h, s, 1e-5)[0], skinny_matmul_triton, silu_and_mul_triton)
+
+    with overlapped_launches(False):
+        eager = fast()  # the same kernels launched one after another, without PDL
+    assert close(eager, want, x.dtype)
+    with overlapped_launches(True):
+        fast()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fast()
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
