@@ -85,6 +85,20 @@ def test_no_pdl_under_the_interpreter_or_on_the_cpu():
     assert pdl.pdl_options(torch.zeros(1), 1) == {"PDL": False}
 
 
+def test_a_model_step_sets_overlapped_launches_for_its_kernels_and_restores_them():
+    from medusa.kernels.dispatch import overlapped_launches, step_overlap
+
+    assert step_overlap() is None  # outside a model's forward: kernels decide by their own row count
+    with overlapped_launches(True):
+        with overlapped_launches(False):  # a nested forward (say, a prompt forward inside a step)
+            assert step_overlap() is False
+        assert step_overlap() is True
+        with pytest.raises(RuntimeError), overlapped_launches(False):
+            raise RuntimeError("a failing forward")
+        assert step_overlap() is True  # restored after an error too
+    assert step_overlap() is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (2048, 16384), (8192, 2048), (14336, 4096), (576, 49152)])
 def test_full_size_shapes_match_linear(k, n):
@@ -138,3 +152,25 @@ def test_a_pdl_chain_replayed_in_a_cuda_graph_matches_eager_references(rows):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("tokens,overlapped", [(1, True), (12, True), (DOT_MAX_ROWS + 1, False)])
+def test_a_forward_launches_with_pdl_only_where_every_matmul_is_skinny(monkeypatch, tokens, overlapped):
+    """The model decides for its whole forward: a plain step, a small tree on a narrow model (every matmul a
+    skinny one) overlap their launches; a larger step, whose matmuls are cuBLAS's, does not."""
+    import medusa.model
+    from medusa.attention import CausalAttention
+    from tiny_models import tiny_decoder
+
+    model, _ = tiny_decoder()
+    seen = []
+    real = medusa.model.overlapped_launches
+
+    def record(enabled):
+        seen.append(enabled)
+        return real(enabled)
+
+    monkeypatch.setattr(medusa.model, "overlapped_launches", record)
+    with torch.no_grad():
+        model(torch.zeros(tokens, dtype=torch.long), torch.arange(tokens), CausalAttention())
+    assert seen == [overlapped]
