@@ -1,10 +1,10 @@
 """`x @ weight.T (+ bias)` for few rows: the contract of `skinny_matmul_triton.py`, and when to use it.
 
 A decode step at batch 1 multiplies one row (a plain step) or a tree's few dozen
-rows by every weight matrix. cuBLAS picks tiles made for many rows: on an H200 a
-576 x 960 projection of the default model took 3.8 us for ~1 us of weight bytes,
-and the 1B shape's 2048 x 3072 one ran at half the copy bandwidth
-(benchmarks/RESULTS.md, session 5). The Triton kernels instead give each program
+rows by every weight matrix. cuBLAS picks tiles made for many rows: on an H200 the
+default model's 120 projections of a plain step averaged 3.8 us each for ~1 us of
+weight bytes, and the 1B shape's QKV and O projections averaged 5.9 us, about half
+the copy bandwidth (benchmarks/RESULTS.md, session 5). The Triton kernels instead give each program
 a few whole weight rows, load them before waiting on the previous kernel (PDL,
 `pdl.py`), and then multiply: one row on the CUDA cores (any K up to MAX_K), up
 to DOT_MAX_ROWS rows on the tensor cores (K up to DOT_MAX_K, so that a weight

@@ -13,13 +13,7 @@ from medusa.kernels.paged_attention import rope_write_kv_reference, write_kv_ref
 from medusa.kernels.paged_attention_triton import rope_write_kv_triton, write_kv_triton  # noqa: E402
 from medusa.rope import RotaryEmbedding  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rand(g, *shape, dtype=torch.float32):
-    """Uniform in +-[0.1, 1.1): no zeros, both signs."""
-    sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
-    return ((torch.rand(*shape, generator=g) + 0.1) * sign).to(dtype).to(DEVICE)
+from kernel_inputs import DEVICE, rand  # noqa: E402
 
 
 def close(a, b, dtype):

@@ -10,13 +10,7 @@ from medusa.kernels.skinny_matmul import (  # noqa: E402
     DOT_MAX_K, DOT_MAX_ROWS, KERNEL_MAX_ROWS, covers, skinny_matmul_reference, takes_skinny)
 from medusa.kernels.skinny_matmul_triton import skinny_matmul_triton  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rand(g, *shape, dtype=torch.float32):
-    """Uniform in +-[0.1, 1.1): no zeros, both signs."""
-    sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
-    return ((torch.rand(*shape, generator=g) + 0.1) * sign).to(dtype).to(DEVICE)
+from kernel_inputs import DEVICE, rand  # noqa: E402
 
 
 def close(a, b, dtype):
