@@ -19,7 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from medusa.kernels.dispatch import use_triton
+from medusa.kernels.dispatch import step_overlap, use_triton
 
 KERNEL_MAX_ROWS = 16  # the one-row kernel unrolls a multiply-reduce per row over its weight tile
 # Products of one row take that kernel: every further row is another pass of float32 multiply-adds over
@@ -56,8 +56,14 @@ def covers(rows: int, k: int, element_size: int) -> bool:
 
 def takes_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `linear` sends this product to a Triton kernel: inference on a GPU, `covers` its
-    rows and K, one dtype throughout and a contiguous weight."""
+    rows and K, one dtype throughout and a contiguous weight; more than one row only inside a forward
+    whose launches overlap (`dispatch.overlapped_launches`, PDL). The tensor-core kernel wins only
+    there: on its own (the lm_head after a tree's forward, the heads' vocabulary projection) it ran
+    slower than cuBLAS on an H200 (RESULTS.md, session 17: the 135M lm_head at 2-16 rows 43-45 us
+    against 16.4-17.0; 576 x 1536 weights 6.9-7.4 against 4.5-4.9)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows > MAX_ROWS and not step_overlap():
+        return False
     extra = (bias,) if bias is not None else ()
     return (covers(rows, weight.shape[1], x.element_size()) and weight.is_contiguous()
             and use_triton(x, weight, *extra))

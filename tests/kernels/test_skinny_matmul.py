@@ -6,6 +6,7 @@ import torch
 pytest.importorskip("triton")
 
 from medusa.kernels import pdl  # noqa: E402
+from medusa.kernels.dispatch import overlapped_launches  # noqa: E402
 from medusa.kernels.skinny_matmul import (  # noqa: E402
     DOT_MAX_K, DOT_MAX_ROWS, KERNEL_MAX_ROWS, covers, skinny_matmul_reference, takes_skinny)
 from medusa.kernels.skinny_matmul_triton import skinny_matmul_triton  # noqa: E402
@@ -69,7 +70,11 @@ def test_which_products_take_the_kernels():
     if DEVICE == "cpu":
         assert not takes_skinny(rand(g, 1, 32), w, None)  # the CPU keeps F.linear
         return
-    assert takes_skinny(rand(g, 1, 32), w, None) and takes_skinny(rand(g, 8, 32), w, None)
+    assert takes_skinny(rand(g, 1, 32), w, None) and not takes_skinny(rand(g, 8, 32), w, None)
+    with overlapped_launches(True):  # several rows: only inside a forward whose launches overlap
+        assert takes_skinny(rand(g, 8, 32), w, None)
+    with overlapped_launches(False):
+        assert not takes_skinny(rand(g, 8, 32), w, None)
     assert not takes_skinny(rand(g, 1, 32), w.to(torch.bfloat16), None)  # mixed dtypes
     with torch.enable_grad():
         assert not takes_skinny(rand(g, 1, 32), w, None)  # training
