@@ -43,6 +43,7 @@ from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.heads import MedusaHeads
 from medusa.kernels.ngram_lookup import ngram_lookup
+from medusa.kernels.top_k import top_k_indices
 from medusa.kernels.tree_placement import place_tree
 from medusa.model import DecoderModel
 
@@ -171,7 +172,7 @@ class DecodeStep:
             self._set_history(at, tokens)
         if propose and self.heads is not None and self.kmax:
             logits = self.heads(last_hidden, self.model.lm_head.weight, roots=self.roots[at])  # [K, n, V]
-            self.topk[at] = logits.topk(self.kmax, dim=-1).indices.transpose(0, 1)  # [n, K, kmax]
+            self.topk[at] = top_k_indices(logits, self.kmax).transpose(0, 1)  # [n, K, kmax]
 
     def _set_history(self, at: torch.Tensor, tokens: list[list[int]]) -> None:
         """history[at] = each row's tokens, then its root (already in `roots`)."""
@@ -339,7 +340,7 @@ class DecodeStep:
         hidden = self.cache.forward(self.model, ids, positions, meta)  # [Bp * N (+ P), H]
         hidden, prompt_hidden = hidden[: padded * n], (hidden[padded * n:] if prompts is not None else None)
         logits = self.model.compute_logits(hidden)  # [Bp * N, V]
-        targets = logits.argmax(-1).view(padded, n)
+        targets = top_k_indices(logits, 1).view(padded, n)  # argmax: the first maximum, in two launches
         if sampling:  # lossless sampling: each node's target is a draw; acceptance is then the same test
             # node i draws output number (host's count) + (tokens accepted since) + depth(i)
             window = (base - self.known_base[:padded])[:, None] + tree.depths[None]  # [Bp, N]
@@ -368,7 +369,7 @@ class DecodeStep:
         if self.kmax and (propose or tree.num_nodes > 1):
             at_best = part1.hidden.view(padded, n, -1)[torch.arange(padded, device=self.device), best]  # [Bp, H]
             head_logits = self.heads(at_best, self.model.lm_head.weight, roots=next_tokens)  # [K, Bp, V]
-            self.topk[rows] = head_logits.topk(self.kmax, dim=-1).indices.transpose(0, 1)
+            self.topk[rows] = top_k_indices(head_logits, self.kmax).transpose(0, 1)
         return torch.cat([count[:, None], tokens, best[:, None]], dim=1)  # best: did the lookup chain win
 
     def _append_history(self, rows: torch.Tensor, count: torch.Tensor, tokens: torch.Tensor) -> None:
