@@ -150,7 +150,7 @@ def split_sweep(args, device, dtype, attention=None, calls: int = 10,
 
 
 def step_curve(args, device, dtype) -> tuple[list[dict], list[dict]]:
-    """(step seconds per batch and tree size, the batch-1 plain step's kernels when --kernel-profile)"""
+    """(step seconds per batch and tree size, the kernels of each batch-1 step when --kernel-profile)"""
     hidden, inter, layers, heads, kv_heads, vocab = SHAPES[args.shape]
     if args.quick:
         hidden, inter, layers, heads, kv_heads, vocab = 64, 128, 2, 4, 2, 256
@@ -175,8 +175,9 @@ def step_curve(args, device, dtype) -> tuple[list[dict], list[dict]]:
 
             fn = captured(forward) if device.type == "cuda" else forward
             rows.append({"batch": batch, "tree_tokens": tree, "seconds": timed(fn, args.repeats, device)})
-            if args.kernel_profile and batch == 1 and tree == 1 and device.type == "cuda":
-                kernels = kernel_table(fn)
+            if args.kernel_profile and batch == 1 and device.type == "cuda":
+                print(f"-- kernels of a batch-1 step of {tree} tokens", flush=True)
+                kernels.append({"tree_tokens": tree, "kernels": kernel_table(fn)})
     return rows, kernels
 
 
@@ -255,7 +256,7 @@ def main() -> None:
     p.add_argument("--skip-attention", action="store_true", help="only the step-cost curve")
     p.add_argument("--skip-steps", action="store_true", help="no step-cost curve")
     p.add_argument("--launch-sweep", action="store_true", help="attention under each num_warps / num_stages (GPU)")
-    p.add_argument("--kernel-profile", action="store_true", help="the kernels of a batch-1 plain step (GPU profiler)")
+    p.add_argument("--kernel-profile", action="store_true", help="the kernels of each batch-1 step (GPU profiler)")
     p.add_argument("--split-sweep", action="store_true", help="small-batch attention under each split count (GPU)")
     p.add_argument("--table-keys", type=int, default=8192,
                    help="block-table width of the step curve in tokens, as the engine sizes it for its longest "

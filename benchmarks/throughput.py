@@ -46,6 +46,7 @@ from common import SHAPES, sync
 from phases import PhaseTimer
 from step_trace import StepTrace
 from host_profile import HostProfile
+from gpu_trace import GpuTrace
 from plotting import pyplot
 
 
@@ -157,7 +158,8 @@ def summarize_runs(runs: list[dict]) -> dict:
 
 
 def diagnose(row: dict, engine: LLMEngine, args, level: list[list[int]], params: list[SamplingParams]) -> None:
-    """The level again once per diagnosis asked for (--profile-steps, --trace-steps, --host-profile), into `row`."""
+    """The level again once per diagnosis asked for (--profile-steps, --trace-steps, --host-profile,
+    --gpu-trace), into `row`."""
     c, tag = row["concurrency"], f"{row['model']}_{row['mode']}_c{row['concurrency']}"
     if args.profile_steps:  # the same level again, every phase timed
         with PhaseTimer(engine) as timer:
@@ -173,6 +175,11 @@ def diagnose(row: dict, engine: LLMEngine, args, level: list[list[int]], params:
             run_level(engine, level, params, c)
         row["host_profile"] = profile.summary()
         profile.write(Path(args.out) / f"host_profile_{tag}.txt")
+    if args.gpu_trace:  # and again under torch.profiler: GPU busy and idle time per step, the top kernels
+        with GpuTrace() as trace:  # two requests per slot: a trace of ~500 steps stays a few MB
+            run = run_level(engine, level[:2 * c], params[:2 * c], c)
+        row["gpu_trace"] = trace.summary(run["engine_steps"])
+        trace.write(Path(args.out) / f"gpu_trace_{tag}.json.gz")
 
 
 def bench_model(name: str, args, device, dtype) -> list[dict]:
@@ -265,6 +272,8 @@ def main() -> None:
                    help="run each level once more recording every engine step (trace_*.json, a summary in the row)")
     p.add_argument("--host-profile", action="store_true",
                    help="run each level once more under cProfile (host_profile_*.txt, the top functions in the row)")
+    p.add_argument("--gpu-trace", action="store_true",
+                   help="run each level once more under torch.profiler: GPU busy/idle ms per step, top kernels")
     p.add_argument("--no-overlap", action="store_true",
                    help="EngineConfig.overlap=False: no plain step is launched before the last one is read back")
     p.add_argument("--mixed-prompt-tokens", type=int, default=EngineConfig.mixed_prompt_tokens,
