@@ -1,5 +1,6 @@
 """The benchmark scripts' --quick modes run on the CPU, so they cannot break silently."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -116,7 +117,7 @@ def test_serving_quick(default_model_dir, tmp_path):
 
 
 def test_throughput_quick(tmp_path):
-    results = run("throughput.py", tmp_path, "--profile-steps", "--trace-steps", "--host-profile",
+    results = run("throughput.py", tmp_path, "--profile-steps", "--trace-steps", "--host-profile", "--gpu-trace",
                   "--length-spread", "0.5")
     rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
     assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 4)}
@@ -155,7 +156,28 @@ def test_throughput_quick(tmp_path):
         assert own == sorted(own, reverse=True) and own[0] <= profile["seconds"]
         report = (tmp_path / f"host_profile_tiny_{mode}_c{c}.txt").read_text()
         assert "engine.py" in report and "(step)" in report
+    for (mode, c), row in rows.items():  # --gpu-trace: and once more under torch.profiler (no kernels on a CPU)
+        assert "no device events" in row["gpu_trace"]["error"]
+        with gzip.open(tmp_path / f"gpu_trace_tiny_{mode}_c{c}.json.gz", "rt") as f:
+            assert any(e.get("name", "").startswith("aten::") for e in json.load(f)["traceEvents"])
     assert (tmp_path / "throughput.png").stat().st_size > 0
+
+
+def test_gpu_trace_summary_merges_overlapping_kernels():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_trace import GpuTrace
+
+    trace = GpuTrace()
+    kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    # two steps: kernels at 0-10 and 5-20 us overlap (PDL), then a gap to 30-40, a copy at 50-60
+    trace.events = [kernel("a", 0, 10), kernel("b", 5, 15), kernel("a", 30, 10),
+                    {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "ts": 50, "dur": 10},
+                    {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]
+    summary = trace.summary(steps=2)
+    assert summary["window_ms_per_step"] == 60e-3 / 2 and summary["busy_ms_per_step"] == 40e-3 / 2
+    assert summary["idle_ms_per_step"] == 20e-3 / 2 and summary["kernels_per_step"] == 2
+    top = {t["name"]: t for t in summary["top"]}
+    assert top["a"]["per_step"] == 1 and top["a"]["ms_per_step"] == 20e-3 / 2 and top["a"]["share"] == 0.5
 
 
 def test_throughput_rejects_a_bad_length_spread(tmp_path):
