@@ -56,6 +56,16 @@ its graph time; floored, plain decoding alone could not (on an 8B shape at 64
 rows, 6.5 ms charged against the 6.1 ms its steps took, which handed the batch to
 a 4-node tree that ran at 0.86x plain decoding, session 11).
 
+A tree's trial is a few steps, and near the best a trial can mislead: its
+steps may come at a request's start, and its prior keeps most of its weight
+(on an H200 at one request the 8-node lookup tree, 2.46 tokens a step once run,
+was left at 2.02 after five trial steps, and the 32-node one ran instead at 2.27
+tokens per ms against the 8-node one's 2.66). So every TREE_REVISIT_STEPS steps
+of a speculative decision, the least observed speculative tree scoring within
+TRIAL_BAND of it runs TRIAL_STEPS steps again (`revisiting`): at most 4% of the
+steps, on trees within 10% of the best, and what they accept soon outweighs
+their priors.
+
 A batch size whose trees are untried borrows the decision of the nearest
 smaller batch size that has made one, when that decision is plain decoding: a
 tree costs more against a plain step the more rows it has while it accepts the
@@ -80,6 +90,8 @@ WALL_WINDOW = 5
 # speculative trees scoring within this factor of the best one are tried too before a batch size decides
 TRIAL_BAND = 1.1
 REVISIT_STEPS = 200  # steps of one kind (plain or speculative) at a batch size before the other kind runs one
+# steps of a decided tree before a speculative tree scoring within TRIAL_BAND of it runs TRIAL_STEPS more
+TREE_REVISIT_STEPS = 100
 SETTLE_STEPS = 8  # a batch size running its decided tree re-decides every SETTLE_STEPS steps of it
 # Speculation must promise this many times plain decoding's tokens per second: near a tie, noise and the
 # costs outside the timed steps (scattered finishes: empty rows, admissions a few at a time; heads for new rows) decide
@@ -126,6 +138,8 @@ class TreePolicy:
         self.speculated: set[int] = set()  # buckets where some speculative tree has run its trial
         self._host: dict[tuple[int, bool | None], float] = {}  # (bucket, speculative or None: any) -> seconds
         self.heads_cost: dict[int, float] = {}  # bucket -> seconds the heads add to a plain step
+        self.revisiting: dict[int, tuple[TreeSpec, int]] = {}  # bucket -> (near tree on a revisit, steps left)
+        self._since_revisit: dict[int, int] = {}  # bucket -> steps of its speculative decision since a revisit
 
     def add_prior(self, tree: TreeSpec, accuracies) -> bool:
         """Predict the tree's accepted length; False if the accuracies do not cover its heads or ranks."""
@@ -174,6 +188,30 @@ class TreePolicy:
         decided = self.decision.get(bucket)
         if bucket in self.step_cost and (decided is not tree or wall.steps % SETTLE_STEPS == 0):
             self._settle(bucket)
+        self._count_tree_revisit(bucket, tree)
+
+    def _count_tree_revisit(self, bucket: int, tree: TreeSpec) -> None:
+        """Every TREE_REVISIT_STEPS steps of a speculative decision, the least observed speculative tree
+        scoring within TRIAL_BAND of it runs TRIAL_STEPS steps (see `choose`)."""
+        revisit = self.revisiting.get(bucket)
+        if revisit is not None and revisit[0] is tree:
+            left = revisit[1] - 1
+            if left > 0 and self.decision.get(bucket) is not tree:
+                self.revisiting[bucket] = (tree, left)
+            else:
+                del self.revisiting[bucket]
+        decided = self.decision.get(bucket)
+        if decided is not tree or decided.num_nodes == 1:
+            return
+        self._since_revisit[bucket] = self._since_revisit.get(bucket, 0) + 1
+        if self._since_revisit[bucket] >= TREE_REVISIT_STEPS:
+            self._since_revisit[bucket] = 0
+            floor = self.score(bucket, decided) / TRIAL_BAND
+            near = [t for t in self.step_cost[bucket] if t.num_nodes > 1 and t is not decided
+                    and self.score(bucket, t) >= floor]
+            if near:
+                least_seen = min(near, key=lambda t: self.observed.get(t, (0, 0))[1])
+                self.revisiting[bucket] = (least_seen, TRIAL_STEPS)
 
     def _settle(self, bucket: int) -> None:
         """Refresh the host time charged to untried trees here and decision[bucket]: the best tree
@@ -277,7 +315,8 @@ class TreePolicy:
             others = [tree for tree in self.step_cost[bucket] if (tree.num_nodes > 1) != speculative]
             if others:  # one step to refresh the other kind's timing (and a tree's acceptance)
                 return max(others, key=lambda tree: self.score(bucket, tree))
-        return best
+        revisit = self.revisiting.get(bucket)
+        return revisit[0] if revisit is not None and best.num_nodes > 1 else best
 
     def _best(self, bucket: int) -> TreeSpec:
         return max(self.step_cost[bucket], key=lambda tree: self.score(bucket, tree))

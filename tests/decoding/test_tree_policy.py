@@ -322,3 +322,40 @@ def test_a_batch_size_is_settled_on_its_decision_not_on_its_trials_or_revisits()
     policy.plain[64] = trees[1]
     assert 64 not in policy.decision and policy.settled_on(64, trees[1])  # borrowed plain decoding
     assert not policy.settled_on(64, trees[4])
+
+
+def run_policy(engine, trees, costs, real, steps):
+    """Steps at one row; each tree accepts `real` tokens a step except the 8-node tree's first
+    TRIAL_STEPS steps (an unlucky trial at a request's start: 1.8). -> the trees run, in order."""
+    policy, ran = engine.policy, []
+    for _ in range(steps):
+        tree = engine.scheduler.tree_for(1)
+        ran.append(tree.num_nodes)
+        unlucky = tree.num_nodes == 8 and ran.count(8) <= TRIAL_STEPS
+        policy.observe(tree, 1.8 if unlucky else real[tree.num_nodes], 1)
+        policy.observe_step(1, tree, costs[1][tree.num_nodes])
+    return ran
+
+
+def test_a_near_tree_left_behind_by_an_unlucky_trial_is_revisited_and_takes_over(monkeypatch):
+    """Session 17 on an H200 at one request: the 8-node lookup tree's five trial steps left it at 2.02
+    tokens (2.46 once run), so the 32-node tree ran at 2.27 tokens per ms against its 2.67. Revisits
+    of near trees every TREE_REVISIT_STEPS steps correct that; without them the decision stays."""
+    import medusa.decoding.tree_policy as tree_policy
+
+    costs = {1: {1: 0.6, 8: 0.92, 32: 1.2}}
+    prior, real = {1: 1.0, 8: 2.02, 32: 2.72}, {1: 1.0, 8: 2.46, 32: 2.72}
+    engine, trees = engine_with_costs(costs, prior)
+    ran = run_policy(engine, trees, costs, real, 1000)
+    assert ran[:3 * TRIAL_STEPS] == [32] * TRIAL_STEPS + [8] * TRIAL_STEPS + [1] * TRIAL_STEPS
+    first = ran.index(32, 3 * TRIAL_STEPS)
+    assert engine.policy.decision[1] is trees[8]
+    switched = next(i for i in range(first, len(ran)) if ran[i:i + 50] == [8] * 50)
+    assert switched < first + 3 * tree_policy.TREE_REVISIT_STEPS
+    # revisits are short and rare: after the switch the 32-node tree is not within TRIAL_BAND of the best
+    assert ran[switched:].count(8) > 0.95 * len(ran[switched:])
+
+    monkeypatch.setattr(tree_policy, "TREE_REVISIT_STEPS", 10 ** 9)  # no revisits: the trial's verdict stands
+    engine, trees = engine_with_costs(costs, prior)
+    ran = run_policy(engine, trees, costs, real, 1000)
+    assert engine.policy.decision[1] is trees[32] and {n for n in ran[-500:] if n > 1} == {32}  # plain: revisits
