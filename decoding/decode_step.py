@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from medusa.decoding.batch_verify import (
-    build_candidates, compaction_slots, emitted_tokens, greedy_verdict, sampled_targets)
+from medusa.decoding.batch_verify import build_candidates, sampled_targets
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, host_buffer, overwritten, to_device, upload
@@ -44,6 +43,7 @@ from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.heads import MedusaHeads
 from medusa.kernels.ngram_lookup import ngram_lookup
 from medusa.kernels.top_k import top_k_indices
+from medusa.kernels.tree_accept import accept, verdict
 from medusa.kernels.tree_placement import place_tree
 from medusa.model import DecoderModel
 
@@ -348,40 +348,22 @@ class DecodeStep:
             drawn = sampled_targets(logits.view(padded, n, -1), self.temperature[:padded], self.top_k[:padded],
                                     self.top_p[:padded], uniforms)
             targets = torch.where(self.sampled[:padded, None], drawn, targets)
-        best = greedy_verdict(tree, candidates, targets)
-        self.best[:padded] = best
-        self.next[:padded] = targets.gather(1, best[:, None]).squeeze(1)
+        verdict(tree, candidates, targets, self.best[:padded], self.next[:padded])
         return _Part1(candidates, hidden, logits, prompt_hidden)
 
     def _part2(self, tree: DeviceTree, padded: int, part1: _Part1, propose: bool = True) -> torch.Tensor:
         n = tree.num_nodes
         best, next_tokens, rows = self.best[:padded], self.next[:padded], self.rows[:padded]
-        count, tokens = emitted_tokens(tree, part1.candidates, best, next_tokens)
-        if self.max_lookup:
-            self._append_history(rows, count, tokens)
-        src, dst = compaction_slots(tree, self.slots[: padded * n].view(padded, n), best)
+        history = (self.history, self.history_len) if self.max_lookup else (None, None)
+        # emitted tokens, the lookup history, the accepted path's KV moves, roots and committed lengths
+        packed, src, dst = accept(tree, part1.candidates, best, next_tokens, self.slots[: padded * n].view(padded, n),
+                                  rows, self.roots, self.row_base, self.padding_row, *history)
         self.cache.move_all(src, dst)
-        self.roots[rows] = next_tokens
-        self.row_base[rows] += count  # real rows are distinct; the padding row (repeated) is reset next
-        # zero_() on a view, not `= 0`: assigning a Python number copies it from the host, which a graph
-        # capture refuses
-        self.row_base[self.padding_row].zero_()
         if self.kmax and (propose or tree.num_nodes > 1):
             at_best = part1.hidden.view(padded, n, -1)[torch.arange(padded, device=self.device), best]  # [Bp, H]
             head_logits = self.heads(at_best, self.model.lm_head.weight, roots=next_tokens)  # [K, Bp, V]
             self.topk[rows] = top_k_indices(head_logits, self.kmax).transpose(0, 1)
-        return torch.cat([count[:, None], tokens, best[:, None]], dim=1)  # best: did the lookup chain win
-
-    def _append_history(self, rows: torch.Tensor, count: torch.Tensor, tokens: torch.Tensor) -> None:
-        """history[row] += tokens[:count] for each batch row (count [Bp], tokens [Bp, D + 1]); tokens past
-        count (and padding rows' past the end) go to the spare last column."""
-        spare = self.history.shape[1] - 1
-        lengths = self.history_len[rows]  # [Bp]
-        steps = torch.arange(tokens.shape[1], device=self.device)[None]  # [1, D + 1]
-        columns = torch.where(steps < count[:, None], lengths[:, None] + steps, spare).clamp(max=spare)
-        self.history[rows[:, None], columns] = tokens
-        self.history_len[rows] = (lengths + count).clamp(max=spare)
-        self.history_len[self.padding_row].zero_()  # padding rows then scan nothing for their (unused) proposals
+        return packed  # [Bp, D + 3]: count, D + 1 tokens, best (did the lookup chain win)
 
     # ---- CUDA graphs ------------------------------------------------------
 
