@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -28,10 +29,10 @@ class GpuTrace:
 
     def __exit__(self, *exc) -> None:
         self._profiler.__exit__(*exc)
-        path = Path("/tmp") / f"gpu_trace_{id(self)}.json"
-        self._profiler.export_chrome_trace(str(path))
-        self.events = json.loads(path.read_text())["traceEvents"]
-        path.unlink()
+        with tempfile.TemporaryDirectory() as folder:  # the profiler exports to a file only
+            path = Path(folder) / "trace.json"
+            self._profiler.export_chrome_trace(str(path))
+            self.events = json.loads(path.read_text())["traceEvents"]
 
     def write(self, path: Path) -> None:
         with gzip.open(path, "wt") as f:

@@ -60,8 +60,9 @@ A tree's trial is a few steps, and near the best a trial can mislead: its
 steps may come at a request's start, and its prior keeps most of its weight
 (on an H200 at one request `searched-8+lookup4`, 12 nodes and 2.46 tokens a
 step once run, was left at 2.02 after five trial steps, and the 36-node
-`searched-32+lookup4` ran instead at 2.27 tokens per ms against its 2.66,
-benchmarks/RESULTS.md session 17). So every TREE_REVISIT_STEPS steps
+`searched-32+lookup4` ran instead at 2.27 tokens per ms, where the 12-node
+tree's own measured acceptance and step cost give 2.66; benchmarks/RESULTS.md
+session 17). So every TREE_REVISIT_STEPS steps
 of a speculative decision, the least observed speculative tree scoring within
 TRIAL_BAND of it runs TRIAL_STEPS steps again (`revisiting`): at most 4% of the
 steps, on trees within 10% of the best, and what they accept soon outweighs

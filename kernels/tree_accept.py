@@ -3,10 +3,11 @@
 After the tree's forward, a decode step decides each row's deepest accepted node
 (`verdict`) and then emits the accepted tokens, appends them to the row's lookup
 history, works out which KV slots move down and advances the row's root and
-committed length (`accept`). As PyTorch ops (`decoding/batch_verify.py`) that is
-about 40 kernels of 1-3 us each in every captured step, ~0.1 ms of a 0.9 ms
-batch-1 step of the default model on an H200 (benchmarks/RESULTS.md, session 17);
-the Triton kernels are one launch each, one program per row (opt-in: `ENABLED`).
+committed length (`accept`). As PyTorch ops (`decoding/batch_verify.py`) these
+are most of the 59 small kernels that an H200 trace of the default model's
+batch-1 tree step showed between the forward and the heads, 136 us of a ~1 ms
+step (benchmarks/RESULTS.md, session 17); the Triton kernels are one launch
+each, one program per row (opt-in: `ENABLED`; their saving is not yet measured).
 
 verdict: candidates, targets [B, N] long -> best [B] = `batch_verify.greedy_verdict`,
     next [B] = targets[b, best[b]] (written into the caller's buffers).

@@ -68,7 +68,7 @@ def _accept_kernel(cand_ptr, best_ptr, next_ptr, paths_ptr, depths_ptr, slots_pt
         tl.store(hist_len_ptr + row, tl.where(padding, 0, tl.minimum(length + count, spare)))
 
 
-def _check_rows(name: str, *tensors: torch.Tensor) -> None:
+def _check_int64(name: str, *tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.dtype != torch.long or not t.is_contiguous():
             raise ValueError(f"{name}: expected contiguous int64 tensors, got {t.dtype} with strides {t.stride()}")
@@ -80,7 +80,7 @@ def verdict_triton(tree: DeviceTree, candidates: torch.Tensor, targets: torch.Te
     if tree.bits is None or candidates.shape[1] != n or targets.shape != candidates.shape:
         raise ValueError(f"verdict: a tree of <= 64 nodes and candidates, targets [B, {n}], got "
                          f"{tuple(candidates.shape)} and {tuple(targets.shape)} for {n} nodes")
-    _check_rows("verdict", candidates, targets, best, next_tokens)
+    _check_int64("verdict", candidates, targets, best, next_tokens)
     _verdict_kernel[(candidates.shape[0],)](candidates, targets, tree.parents, tree.bits, tree.depths, best,
                                             next_tokens, n, BLOCK_N=max(16, triton.next_power_of_2(n)), num_warps=1)
 
@@ -93,7 +93,7 @@ def accept_triton(tree: DeviceTree, candidates: torch.Tensor, best: torch.Tensor
     if slots.shape != candidates.shape or best.shape != (batch,) or rows.shape != (batch,):
         raise ValueError(f"accept: candidates and slots [B, N], best and rows [B], got {tuple(candidates.shape)}, "
                          f"{tuple(slots.shape)}, {tuple(best.shape)}, {tuple(rows.shape)}")
-    _check_rows("accept", candidates, best, next_tokens, slots, rows, roots, row_base)
+    _check_int64("accept", candidates, best, next_tokens, slots, rows, roots, row_base)
     width = tree.paths.shape[1]  # D + 1
     packed = torch.empty(batch, width + 2, dtype=torch.long, device=candidates.device)
     src = torch.empty(batch * width, dtype=torch.long, device=candidates.device)

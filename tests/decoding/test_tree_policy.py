@@ -339,7 +339,8 @@ def run_policy(engine, trees, costs, real, steps):
 
 def test_a_near_tree_left_behind_by_an_unlucky_trial_is_revisited_and_takes_over(monkeypatch):
     """Session 17 on an H200 at one request: `searched-8+lookup4`'s five trial steps left it at 2.02
-    tokens (2.46 once run), so `searched-32+lookup4` ran at 2.27 tokens per ms against its 2.66 (here
+    tokens (2.46 once run), so `searched-32+lookup4` ran at 2.27 tokens per ms against its 2.66 by its
+    measured acceptance and step cost (here
     the tiny engine's 8- and 32-node trees stand for them). Revisits of near trees every
     TREE_REVISIT_STEPS steps correct that; without them the decision stays."""
     import medusa.decoding.tree_policy as tree_policy
