@@ -261,6 +261,8 @@ def main() -> None:
     p.add_argument("--table-keys", type=int, default=8192,
                    help="block-table width of the step curve in tokens, as the engine sizes it for its longest "
                         "context (sessions 1-12 used context + 128)")
+    p.add_argument("--step-context", type=int,
+                   help="cached tokens per sequence in the step curve (default 512; --quick: 32)")
     p.add_argument("--batches", type=int, nargs="+", help="step-curve batch sizes (default 1 8 32)")
     p.add_argument("--tree-sizes", type=int, nargs="+", help="step-curve tokens per sequence (default 1 to 128)")
     args = p.parse_args()
@@ -274,11 +276,14 @@ def main() -> None:
     args.q_heads, args.kv_heads, args.head_dim = (32, 8, 128) if big else (4, 2, 64)
     batches, tree_sizes = ([1, 8, 32], [1, 2, 4, 8, 16, 32, 64, 128]) if big else ([1, 2], [1, 4])
     args.batches, args.tree_sizes = args.batches or batches, args.tree_sizes or tree_sizes
-    args.step_context, args.repeats = (512, 20) if big else (32, 2)
+    if args.step_context is not None and args.step_context < 1:
+        p.error(f"--step-context must be >= 1, got {args.step_context}")
+    args.step_context, args.repeats = (args.step_context or (512 if big else 32)), (20 if big else 2)
     shape = args.shape if big else "tiny (quick)"
     args.copy_bytes_s = copy_bandwidth(device, 1024 if big else 16)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shape": shape,
                "dtype": str(dtype), "copy_gb_s": args.copy_bytes_s / 1e9,
+               "step_context": args.step_context, "table_keys": args.table_keys,
                "attention": [] if args.skip_attention else attention_curve(args, device, dtype),
                "launch_sweep": launch_sweep(args, device, dtype) if args.launch_sweep else [],
                "split_sweep": split_sweep(args, device, dtype) if args.split_sweep else []}

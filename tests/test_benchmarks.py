@@ -85,8 +85,8 @@ def test_head_accuracy_rejects_unusable_heads_before_generating(tmp_path):
 
 
 def test_kernels_quick(tmp_path):
-    results = run("kernels.py", tmp_path)
-    assert [r["context"] for r in results["attention"]] == [64, 128]
+    results = run("kernels.py", tmp_path, "--step-context", "40")
+    assert [r["context"] for r in results["attention"]] == [64, 128] and results["step_context"] == 40
     assert {(r["batch"], r["tree_tokens"]) for r in results["steps"]} == {(1, 1), (1, 4), (2, 1), (2, 4)}
     assert all(r["seconds"] > 0 for r in results["steps"]) and results["launch_sweep"] == []
 
@@ -98,6 +98,12 @@ def test_kernels_sweeps_need_a_gpu(tmp_path, sweep):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), sweep, "--out",
                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "need a CUDA device" in done.stderr
+
+
+def test_kernels_rejects_an_empty_step_context(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--step-context", "0", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--step-context must be >= 1, got 0" in done.stderr
 
 
 def test_serving_quick(default_model_dir, tmp_path):

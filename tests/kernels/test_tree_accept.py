@@ -90,7 +90,9 @@ def test_wrappers_name_bad_inputs():
 
 def test_an_engine_stepping_through_the_kernels_gives_the_reference_outputs(monkeypatch):
     """The decode step's wiring of the kernels (buffers, strides, the lookup history), under the
-    interpreter on the CPU (in CUDA graphs on a GPU): the same tokens and acceptance as the references give."""
+    interpreter on the CPU: the same tokens and acceptance as the references give."""
+    if DEVICE != "cpu":  # tests/decoding's GPU tests run the kernels inside CUDA graphs, on the default model
+        pytest.skip("the tiny model's head_dim of 8 has no GPU attention kernel")
     import medusa.kernels.tree_accept as tree_accept
     from medusa.decoding.engine import EngineConfig, LLMEngine
     from medusa.decoding.sampling_params import SamplingParams
