@@ -1,7 +1,7 @@
 """Greedy Medusa output equals plain greedy output on the real default model.
 
 10 Spec-Bench prompts (one per category), 64 new tokens each, with (a) freshly
-initialised heads and (b) an oracle proposer that makes whole paths accept.
+initialised heads (on five of them) and (b) an oracle proposer that makes whole paths accept.
 """
 
 import json
@@ -73,8 +73,10 @@ def test_plain_greedy_matches_transformers(model, cases, default_model_dir):
 
 
 def test_fresh_heads_match_plain_greedy(model, cases):
+    """Random heads: nearly every draft is rejected. Every other category (CI time: ~11 s a prompt on 2
+    cores); the oracle test below runs all ten with long accepted paths."""
     decoder = model.decoder(TreeSpec.load("tree-16"))
-    for ids, reference in cases:
+    for ids, reference in cases[::2]:
         assert run(decoder, ids) == reference
 
 
