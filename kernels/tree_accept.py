@@ -7,7 +7,8 @@ committed length (`accept`). As PyTorch ops (`decoding/batch_verify.py`) these
 are most of the 59 small kernels that an H200 trace of the default model's
 batch-1 tree step showed between the forward and the heads, 136 us of a ~1 ms
 step (benchmarks/RESULTS.md, session 17); the Triton kernels are one launch
-each, one program per row (opt-in: `ENABLED`; their saving is not yet measured).
+each, one program per row. On an H200 (RESULTS.md, session 18) the graph engine's GPU tests pass
+through them and a batch-1 Medusa step of the default model took 1.15 against 1.18 ms.
 
 verdict: candidates, targets [B, N] long -> best [B] = `batch_verify.greedy_verdict`,
     next [B] = targets[b, best[b]] (written into the caller's buffers).
@@ -23,23 +24,17 @@ Padding rows all name the padding row: their writes there are junk, by design.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from medusa.decoding.batch_verify import compaction_slots, emitted_tokens, greedy_verdict
 from medusa.decoding.device_tree import DeviceTree
 from medusa.kernels.dispatch import use_triton
 
-# Opt-in until measured on a GPU: session 17 wrote the kernels with no device time left, and tested them
-# (and the decode step through them) under the Triton interpreter only. MEDUSA_TREE_ACCEPT=1 turns them on.
-ENABLED = os.environ.get("MEDUSA_TREE_ACCEPT") == "1"
-
 
 def verdict(tree: DeviceTree, candidates: torch.Tensor, targets: torch.Tensor, best: torch.Tensor,
             next_tokens: torch.Tensor) -> None:
     """Writes best [B] and next_tokens [B]: the Triton kernel on a GPU for trees of <= 64 nodes."""
-    if ENABLED and use_triton(candidates) and tree.bits is not None:
+    if use_triton(candidates) and tree.bits is not None:
         from medusa.kernels.tree_accept_triton import verdict_triton
 
         return verdict_triton(tree, candidates, targets, best, next_tokens)
@@ -59,7 +54,7 @@ def accept(tree: DeviceTree, candidates: torch.Tensor, best: torch.Tensor, next_
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """candidates, slots [B, N]; best, next_tokens, rows [B]; roots, row_base [R + 1] and history
     [R + 1, W + 1], history_len [R + 1] (or None) updated in place -> (packed [B, D + 3], src, dst)."""
-    if ENABLED and use_triton(candidates):
+    if use_triton(candidates):
         from medusa.kernels.tree_accept_triton import accept_triton
 
         return accept_triton(tree, candidates, best, next_tokens, slots, rows, roots, row_base, padding_row,

@@ -109,7 +109,6 @@ def test_an_engine_stepping_through_the_kernels_gives_the_reference_outputs(monk
 
     want = run()
     calls = []
-    monkeypatch.setattr(tree_accept, "ENABLED", True)
     real = tree_accept.use_triton  # on the CPU the interpreter runs the kernels
     monkeypatch.setattr(tree_accept, "use_triton", lambda x, *rest: calls.append(1) or DEVICE == "cpu" or real(x))
     assert run() == want and len(calls) > 10
