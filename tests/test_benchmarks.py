@@ -84,6 +84,12 @@ def test_head_accuracy_rejects_unusable_heads_before_generating(tmp_path):
         assert done.returncode == 2 and message in done.stderr and not (tmp_path / "out").exists()
 
 
+def run_kernels_script(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """benchmarks/kernels.py at full size (no --quick), for its argument checks."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), *args, "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 def test_kernels_quick(tmp_path):
     results = run("kernels.py", tmp_path, "--step-context", "40")
     assert [r["context"] for r in results["attention"]] == [64, 128] and results["step_context"] == 40
@@ -95,14 +101,12 @@ def test_kernels_quick(tmp_path):
 def test_kernels_sweeps_need_a_gpu(tmp_path, sweep):
     if __import__("torch").cuda.is_available():
         pytest.skip("on a GPU the sweeps run")
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), sweep, "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run_kernels_script(tmp_path, sweep)
     assert done.returncode == 2 and "need a CUDA device" in done.stderr
 
 
 def test_kernels_rejects_an_empty_step_context(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--step-context", "0", "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run_kernels_script(tmp_path, "--step-context", "0")
     assert done.returncode == 2 and "--step-context must be >= 1, got 0" in done.stderr
 
 

@@ -109,7 +109,7 @@ def test_an_engine_stepping_through_the_kernels_gives_the_reference_outputs(monk
 
     want = run()
     calls = []
-    real = tree_accept.use_triton  # on the CPU the interpreter runs the kernels
-    monkeypatch.setattr(tree_accept, "use_triton", lambda x, *rest: calls.append(1) or DEVICE == "cpu" or real(x))
+    # the interpreter runs the kernels on the CPU tensors
+    monkeypatch.setattr(tree_accept, "use_triton", lambda x, *rest: calls.append(1) or True)
     assert run() == want and len(calls) > 10
     assert max(max(lengths) for lengths in want[1]) > 1  # some step accepted drafts
