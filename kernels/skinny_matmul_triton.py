@@ -18,6 +18,11 @@ from medusa.kernels.skinny_matmul import (DOT_MAX_K, DOT_MAX_ROWS, DOT_TILE_BYTE
                                            fits_tensor_cores)
 
 TILE_BYTES = 16 * 1024  # a program's weight tile (H200: 8-32 KiB tiles ran within 3% of each other)
+# Weight rows per tensor-core program for 2-byte inputs. 16 rows give 4 warps only two 8-wide MMA tiles, so
+# half the warps repeat the other half's work; 32 give each warp its own. On an H200 (RESULTS.md, session
+# 19) the 135M step of 2-16 tokens took 0.658-0.684 ms against 0.725-0.745 with 16 rows (8 warps: 0.680-0.757;
+# 64 rows: past the shared memory at K = 1536). float32 (tests) keeps 16: its tiles are twice the bytes.
+DOT_BLOCK_N = 32
 
 
 @triton.jit
@@ -92,10 +97,11 @@ def skinny_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
     block_k = triton.next_power_of_2(k)
     if several:  # tensor cores
-        grid = (triton.cdiv(n, 16), triton.cdiv(rows.shape[0], 16))
+        block_n = DOT_BLOCK_N if x.element_size() <= 2 else 16
+        grid = (triton.cdiv(n, block_n), triton.cdiv(rows.shape[0], 16))
         _skinny_dot_kernel[grid](
             rows, weight, bias if bias is not None else weight, out, rows.shape[0], n, k, rows.stride(0),
-            out.stride(0), BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+            out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
             IEEE=x.dtype == torch.float32, num_warps=4 if block_k <= 1024 else 8, **pdl_options(x, rows.shape[0]))
         return out.view(*x.shape[:-1], n)
     block_n = max(1, min(64, TILE_BYTES // x.element_size() // block_k))
