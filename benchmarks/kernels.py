@@ -9,7 +9,8 @@
    against a device-to-device copy measured in the same run.
 2. One engine forward (random weights in a real model's shape) for B sequences
    x N tree tokens, N from 1 to 128: the curve the scheduler's tree budget uses.
-   On a GPU the forward is captured as a CUDA graph, as the engine runs it.
+   On a GPU the forward is captured as a CUDA graph, as the engine runs it, with the engine's
+   key bound for short plain steps (`kv_len_bound`; --no-kv-bound: the tables' width alone).
 3. With --launch-sweep (GPU only): the attention of 1. at 512 and 4096 keys under
    num_warps 4 / 8 and num_stages 1-4, the data behind `_launch_config`, then under
    other row-tile and key-chunk sizes (BLOCK_M x BLOCK_N).
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from medusa.config import ModelConfig
+from medusa.decoding.decode_step import kv_len_bound
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.kernels.paged_attention import paged_attention_reference
 from medusa.loading import empty_model
@@ -165,7 +167,7 @@ def step_curve(args, device, dtype) -> tuple[list[dict], list[dict]]:
         pages = batch * (-(-max(args.step_context + 128, args.table_keys) // 16))
         cache = PagedKVCache(config, pages, 16, dtype, device)
         for tree in args.tree_sizes:
-            meta = _step_metadata(batch, tree, args.step_context, args.table_keys, device)
+            meta = _step_metadata(batch, tree, args.step_context, args.table_keys, device, not args.no_kv_bound)
             ids = torch.zeros(batch * tree, dtype=torch.long, device=device)
             pos = torch.full((batch * tree,), args.step_context, device=device)
 
@@ -216,17 +218,19 @@ def captured(fn):
     return graph.replay
 
 
-def _step_metadata(batch: int, tree: int, context: int, table_keys: int, device) -> StepMetadata:
+def _step_metadata(batch: int, tree: int, context: int, table_keys: int, device, kv_bound: bool = True) -> StepMetadata:
     """A step of `tree` chain tokens per sequence after `context` cached ones; block tables as wide as
-    table_keys (the engine's are as wide as the longest context it serves, which sets the split count)."""
+    table_keys (the engine's are as wide as the longest context it serves, which sets the split count),
+    and with kv_bound the key bound the engine's decode step would run under."""
     per_seq = -(-max(context + 128, table_keys) // 16)
+    bound = kv_len_bound(batch, tree, context + tree, per_seq * 16, False) if kv_bound else None
     tables = torch.arange(batch * per_seq, device=device, dtype=torch.int32).view(batch, per_seq)
     slots = (tables.long()[:, :1] * 16 + context + torch.arange(tree, device=device)).flatten()
     bits = torch.tensor([_chain_bits(i) for i in range(tree)], device=device).repeat(batch)
     return StepMetadata(slot_mapping=slots, block_tables=tables, kv_lens=torch.full((batch,), context + tree, device=device),
                         query_start=torch.arange(batch + 1, device=device) * tree,
                         causal=torch.full((batch,), int(tree > 64), dtype=torch.int32, device=device), step_bits=bits,
-                        max_query_len=tree)
+                        max_query_len=tree, max_kv_len=bound)
 
 
 def plot(results: dict, path: Path) -> None:
@@ -263,6 +267,8 @@ def main() -> None:
                         "context (sessions 1-12 used context + 128)")
     p.add_argument("--step-context", type=int,
                    help="cached tokens per sequence in the step curve (default 512; --quick: 32)")
+    p.add_argument("--no-kv-bound", action="store_true",
+                   help="step curve without the engine's key bound for short plain steps (splits from the tables)")
     p.add_argument("--batches", type=int, nargs="+", help="step-curve batch sizes (default 1 8 32)")
     p.add_argument("--tree-sizes", type=int, nargs="+", help="step-curve tokens per sequence (default 1 to 128)")
     args = p.parse_args()
@@ -283,7 +289,7 @@ def main() -> None:
     args.copy_bytes_s = copy_bandwidth(device, 1024 if big else 16)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shape": shape,
                "dtype": str(dtype), "copy_gb_s": args.copy_bytes_s / 1e9,
-               "step_context": args.step_context, "table_keys": args.table_keys,
+               "step_context": args.step_context, "table_keys": args.table_keys, "kv_bound": not args.no_kv_bound,
                "attention": [] if args.skip_attention else attention_curve(args, device, dtype),
                "launch_sweep": launch_sweep(args, device, dtype) if args.launch_sweep else [],
                "split_sweep": split_sweep(args, device, dtype) if args.split_sweep else []}

@@ -67,6 +67,23 @@ class _Part1:
     prompt_hidden: torch.Tensor | None = None  # [P, H] of the prompt chunks the step carried
 
 
+# Plain steps of at most SHORT_KV_MAX_BATCH sequences whose keys fit SHORT_KV_KEYS replay a graph captured with
+# that bound (`StepMetadata.max_kv_len`): its attention splits each sequence's keys at most 16 ways instead of
+# the 32-64 that the tables' width calls for, most of them empty at such contexts. H200, session 19 (RESULTS.md):
+# the 135M plain step at 512 keys 0.472 ms against 0.512 with 64 splits, but 0.576 against 0.536 at 2048 keys,
+# hence a bound the host checks per step. Trees and larger batches already run at most 16 splits there.
+SHORT_KV_KEYS = 1024
+SHORT_KV_MAX_BATCH = 2
+
+
+def kv_len_bound(padded: int, num_nodes: int, longest: int, table_keys: int, with_prompts: bool) -> int | None:
+    """The `max_kv_len` a decode step runs under: SHORT_KV_KEYS for a plain step (one node, no prompt
+    chunks) of at most SHORT_KV_MAX_BATCH rows whose longest sequence has at most that many keys after the
+    step, where the tables are wider; None (the tables' width) otherwise."""
+    short = num_nodes == 1 and padded <= SHORT_KV_MAX_BATCH and not with_prompts
+    return SHORT_KV_KEYS if short and longest <= SHORT_KV_KEYS < table_keys else None
+
+
 def batch_buckets(max_seqs: int) -> list[int]:
     """Padded batch sizes a graph is captured for: 1, 2, 4, then multiples of 8, and max_seqs itself
     (the step's buffers hold max_seqs rows: a bucket past it would not fit them)."""
@@ -121,6 +138,7 @@ class DecodeStep:
         self.uniforms = torch.zeros(max_seqs, 2 * max_tree, dtype=torch.float64, device=self.device)
         self.sampling_step = False  # whether the prepared step has sampling rows (its own graphs)
         self.propose_step = True  # whether the prepared step runs the heads for the next one
+        self.kv_bound: int | None = None  # the prepared step's max_kv_len (`kv_len_bound`)
         self.prompts: PromptSegment | None = None  # prompt chunks the prepared step's forward carries
         self.best = torch.zeros(max_seqs, **long)  # [B] deepest accepted node
         self.next = torch.zeros(max_seqs, **long)  # [B] target token there: the next root
@@ -208,6 +226,8 @@ class DecodeStep:
         b, n = len(seqs), tree.num_nodes
         padded = self.bucket(b)
         _check_backed(seqs, n, self.cache.block_size)
+        longest = max(s.num_computed_tokens + s.num_inflight_tokens for s in seqs) + n  # keys after the step
+        self.kv_bound = kv_len_bound(padded, n, longest, self._table_keys, prompts is not None)
         tables = self._host_tables[:padded]
         # padding rows: block 0, whose first tree-size slots their queries read (real KV, finite: their
         # own tokens' KV goes to the scratch slot) and whose results nothing uses
@@ -248,6 +268,10 @@ class DecodeStep:
                 uniforms[i, : len(r.uniforms)] = r.uniforms
         upload(self.uniforms, uniforms)
 
+    @property
+    def _table_keys(self) -> int:
+        return self.tables.shape[1] * self.cache.block_size
+
     def bucket(self, batch: int) -> int:
         """The padded batch size a step of `batch` sequences runs at."""
         return next(x for x in self.buckets if x >= batch) if self.use_graphs else batch
@@ -287,9 +311,9 @@ class DecodeStep:
     def forward(self, tree: DeviceTree, padded: int) -> _Part1:
         """Part 1; afterwards `best`/`next` hold the greedy verdict of every row."""
         if not self.use_graphs:
-            self._last = self._part1(tree, padded, self.sampling_step, self.prompts)
+            self._last = self._part1(tree, padded, self.sampling_step, self.prompts, self.kv_bound)
             return self._last
-        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step, self.prompts)
+        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step, self.prompts, self.kv_bound)
         graphs["g1"].replay()
         return graphs["part1"]
 
@@ -297,7 +321,7 @@ class DecodeStep:
         """Part 2 -> packed [Bp, D + 3] long on the device: (count, D + 1 tokens, best node) per row."""
         if not self.use_graphs:
             return self._part2(tree, padded, self._last, self.propose_step)
-        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step, self.prompts)
+        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step, self.prompts, self.kv_bound)
         graphs["g2"].replay()
         return graphs["packed"]
 
@@ -319,7 +343,8 @@ class DecodeStep:
 
     # ---- the two parts ----------------------------------------------------
 
-    def _part1(self, tree: DeviceTree, padded: int, sampling: bool, prompts: PromptSegment | None = None) -> _Part1:
+    def _part1(self, tree: DeviceTree, padded: int, sampling: bool, prompts: PromptSegment | None = None,
+               kv_bound: int | None = None) -> _Part1:
         n = tree.num_nodes
         rows = self.rows[:padded]
         # each row's tree after its committed tokens (base [Bp]): fills `slots` and `kv_lens`
@@ -333,7 +358,8 @@ class DecodeStep:
         candidates = build_candidates(tree, self.roots[rows], topk, lookup)
         meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
                             kv_lens=self.kv_lens[:padded], query_start=self.query_start[: padded + 1],
-                            causal=self.causal[:padded], step_bits=tree.bits.repeat(padded), max_query_len=n)
+                            causal=self.causal[:padded], step_bits=tree.bits.repeat(padded), max_query_len=n,
+                            max_kv_len=kv_bound)
         ids = candidates.flatten()
         if prompts is not None:
             ids, positions, meta = _with_prompts(ids, positions, meta, prompts, padded * n)
@@ -368,13 +394,19 @@ class DecodeStep:
     # ---- CUDA graphs ------------------------------------------------------
 
     def _graph(self, tree: DeviceTree, padded: int, sampling: bool, propose: bool = True,
-               prompts: PromptSegment | None = None) -> dict:
-        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, prompts.num_tokens if prompts else 0)
+               prompts: PromptSegment | None = None, kv_bound: int | None = None) -> dict:
+        """The graphs of one key, captured at first use; a graph of the tables' width also captures its
+        short-context sibling (`kv_len_bound`) if it has one, so that warmup leaves none for the hot path."""
+        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, kv_bound, prompts.num_tokens if prompts else 0)
         if key not in self._graphs:
             start = time.perf_counter()
-            self._graphs[key] = self._capture(tree, padded, sampling, key[3], prompts)
-            self._shapes.add((padded, tree.spec, key[4]))
+            extra = {} if kv_bound is None else {"kv_bound": kv_bound}
+            self._graphs[key] = self._capture(tree, padded, sampling, key[3], prompts, **extra)
+            self._shapes.add((padded, tree.spec, key[-1]))
             self.capture_seconds += time.perf_counter() - start
+            short = kv_len_bound(padded, tree.num_nodes, 0, self._table_keys, prompts is not None)
+            if kv_bound is None and short is not None:
+                self._graph(tree, padded, sampling, propose, prompts, short)
         return self._graphs[key]
 
     @property
@@ -389,7 +421,7 @@ class DecodeStep:
 
     @torch.inference_mode()
     def _capture(self, tree: DeviceTree, padded: int, sampling: bool, propose: bool,
-                 prompts: PromptSegment | None) -> dict:
+                 prompts: PromptSegment | None, kv_bound: int | None = None) -> dict:
         """Warm up on an all-padding batch (touches only the scratch slot and padding row, and no
         prompt token's KV), then capture."""
         with self._padding_inputs(), (prompts.padding() if prompts is not None else nullcontext()):
@@ -397,11 +429,11 @@ class DecodeStep:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._part2(tree, padded, self._part1(tree, padded, sampling, prompts), propose)
+                    self._part2(tree, padded, self._part1(tree, padded, sampling, prompts, kv_bound), propose)
             torch.cuda.current_stream().wait_stream(stream)
             g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(g1, pool=self.pool):
-                part1 = self._part1(tree, padded, sampling, prompts)
+                part1 = self._part1(tree, padded, sampling, prompts, kv_bound)
             with torch.cuda.graph(g2, pool=self.pool):
                 packed = self._part2(tree, padded, part1, propose)
         return {"g1": g1, "g2": g2, "part1": part1, "packed": packed}

@@ -29,6 +29,9 @@ class StepMetadata:
     causal: torch.Tensor
     step_bits: torch.Tensor  # [T] int64 ancestor bits within the sequence's step tokens
     max_query_len: int = 64  # host-side bound on any sequence's step tokens (sizes the kernel grid)
+    # host-side bound on any sequence's keys after the step, None: the tables' width. It only sets how many
+    # programs split each sequence's keys (a longer sequence is still attended in full, by fewer of them)
+    max_kv_len: int | None = None
 
     def __post_init__(self) -> None:
         t, b = self.slot_mapping.shape[0], self.block_tables.shape[0]
@@ -83,7 +86,8 @@ class PagedKVCache:
 
         s = self.step
         return paged_attention_triton(q, self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
-                                      s.query_start, s.causal, s.step_bits, self.block_size, s.max_query_len)
+                                      s.query_start, s.causal, s.step_bits, self.block_size, s.max_query_len,
+                                      max_kv_len=s.max_kv_len)
 
     def _reference(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s = self.step

@@ -162,13 +162,15 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            causal: torch.Tensor, step_bits: torch.Tensor, block_size: int,
                            max_query_len: int, scale: float | None = None,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
-                           launch: dict | None = None) -> torch.Tensor:
+                           launch: dict | None = None, max_kv_len: int | None = None) -> torch.Tensor:
     """Checked wrapper: shapes, dtypes and strides, then one launch (two with split KV) for the batch.
 
     max_query_len: an upper bound on any sequence's step tokens (sizes the grid
     without reading query_start back to the host). num_splits: programs per
     (sequence, KV head, row tile) along the keys; None picks enough to fill the
     GPU from the host-known shapes alone, so the choice is fixed under a CUDA graph.
+    max_kv_len: a host-side bound on the sequences' keys, used only to pick that count (None: the
+    block table's width); a longer sequence is still attended in full, by fewer programs.
     launch: num_warps / num_stages instead of `_launch_config`'s, and optionally block_m / block_n
     (benchmarks/kernels.py --launch-sweep).
     """
@@ -181,9 +183,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_m = launch.pop("block_m", 64 if max_query_len * group >= 64 else 16)
     block_n = launch.pop("block_n", 64)
     tiles = triton.cdiv(max_query_len * group, block_m)
+    if max_kv_len is not None and max_kv_len < 1:
+        raise ValueError(f"max_kv_len must be >= 1 (or None for the block table's width), got {max_kv_len}")
     if num_splits is None:
         num_splits = _pick_splits(num_seqs * num_kv_heads * tiles, block_tables.shape[1] * block_size, block_n,
-                                  block_m, q)
+                                  block_m, q, max_kv_len)
     out = torch.empty_like(q) if out is None else out
     if num_splits > 1:
         part_acc = torch.empty(q.shape[0], num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -222,9 +226,11 @@ def _launch_config(block_m: int, block_n: int, head_dim: int, elem_bytes: int) -
     return dict(num_warps=4, num_stages=num_stages)
 
 
-def _pick_splits(programs: int, max_keys: int, block_n: int, block_m: int, q: torch.Tensor) -> int:
+def _pick_splits(programs: int, max_keys: int, block_n: int, block_m: int, q: torch.Tensor,
+                 max_kv_len: int | None = None) -> int:
     """Splits (a power of two, <= 64): the most that keep the programs within one wave of the GPU
-    for tiles of 64 rows (trees, prompt chunks), two waves for 16-row tiles (a token per sequence).
+    for tiles of 64 rows (trees, prompt chunks), two waves for 16-row tiles (a token per sequence),
+    and at most one per key chunk of a step whose keys the host bounds (`max_kv_len`).
 
     Splits past a sequence's keys cost a program and the merge's reads, and max_keys is the
     block table's width (the longest context served), not this step's. Measured on an H200
@@ -233,10 +239,15 @@ def _pick_splits(programs: int, max_keys: int, block_n: int, block_m: int, q: to
     rule (at least two waves: 16 splits) and 15.8 us under this one (4); a 16-node tree at 8
     sequences 29.7 against 15.1 us; one token at 8 sequences gained from the second wave
     (10.7 against 11.5 us at 512 keys, 27.1 against 36.3 at 2048).
+    Splits past every sequence's keys still cost: their programs start, store empty partials and
+    exit, and the merge reads them (sessions 18-19: the 135M plain step at 512 keys took 0.518 ms
+    with 64 splits, 0.487 with at most 16).
     """
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
     target = sms * (2 if block_m <= 16 else 1)
     most = max(1, min(64, max_keys // (2 * block_n)))  # at least two key chunks per split
+    if max_kv_len is not None:
+        most = max(1, min(most, triton.cdiv(max_kv_len, block_n)))
     splits = 1
     while splits * 2 <= most and programs * splits * 2 <= target:
         splits *= 2

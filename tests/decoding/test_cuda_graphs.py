@@ -47,10 +47,10 @@ def test_graph_engine_matches_batch1_plain_greedy(default_model_dir):
 
     captured, capture = [], engine.runner.decode._capture
 
-    def recording(tree, padded, sampling, propose, prompts):  # a graph captured at first use
+    def recording(tree, padded, sampling, propose, prompts, **bound):  # a graph captured at first use
         if prompts is not None:
             captured.append(engine.policy.settled_on(padded, tree.spec))
-        return capture(tree, padded, sampling, propose, prompts)
+        return capture(tree, padded, sampling, propose, prompts, **bound)
 
     engine._start_decoding, engine.runner.decode._capture = without_waiting, recording
     done = run_staggered(engine, prompts, params)  # the batch bucket changes from step to step
@@ -164,3 +164,30 @@ def test_warmup_of_an_engine_with_one_tree(default_model_dir):
     references = [model.generate(p, max_new_tokens=20, speculative=False).token_ids for p in prompts]
     assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=20))] == references
     assert set(engine.stats().steps_per_tree) == {only.label}
+
+
+def test_short_plain_steps_replay_their_bounded_graphs(default_model_dir):
+    """Warmup captures, next to each plain graph of one or two rows, its sibling under the short-context
+    key bound (`kv_len_bound`, fewer attention splits); plain steps of short sequences replay those and
+    still give plain greedy's tokens, alone and two at a time."""
+    from medusa.decoding.decode_step import SHORT_KV_KEYS, SHORT_KV_MAX_BATCH
+
+    model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
+    engine = model.engine(speculative=False)
+    engine.warmup(max_batch=SHORT_KV_MAX_BATCH)
+    step = engine.runner.decode
+    bounded = {key[0] for key in step._graphs if key[4] == SHORT_KV_KEYS}
+    assert bounded == {b for b in step.buckets if b <= SHORT_KV_MAX_BATCH}
+    bounds, prepare = [], step.prepare
+
+    def recording(*args, **kw):
+        padded = prepare(*args, **kw)
+        bounds.append(step.kv_bound)
+        return padded
+
+    step.prepare = recording
+    prompts = [model.encode([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Count to five.")]
+    references = [model.generate(p, max_new_tokens=20, speculative=False).token_ids for p in prompts]
+    assert engine.generate(prompts[:1], SamplingParams(max_tokens=20))[0].token_ids == references[0]
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=20))] == references
+    assert bounds and set(bounds) == {SHORT_KV_KEYS}

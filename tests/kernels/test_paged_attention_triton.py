@@ -123,6 +123,28 @@ def test_split_count_fills_the_gpu_without_overshooting(block_m):
             assert splits * 2 > most or programs * splits * 2 > target  # doubling would break a bound
 
 
+def test_a_key_bound_sets_the_split_count_but_never_drops_keys():
+    """max_kv_len caps the splits at one per 64-key chunk of the bound; a sequence past the bound
+    (the host's bound is a hint for the split count) is still attended over all of its keys."""
+    from medusa.kernels.paged_attention_triton import _pick_splits
+
+    q = torch.zeros(1)
+    unbounded = _pick_splits(1, 8192, 64, 16, q)  # 16 with the CPU's 8 stand-in SMs (two waves of 16-row tiles)
+    assert unbounded >= 4
+    assert _pick_splits(1, 8192, 64, 16, q, max_kv_len=100) == 2
+    assert _pick_splits(1, 8192, 64, 16, q, max_kv_len=1) == 1
+    assert _pick_splits(1, 512, 64, 16, q, max_kv_len=4096) == 4  # the tables' width still bounds it
+    kinds, prefix_max, hq, hkv, d, page, dtype = CASES[0]
+    batch, max_q = random_batch(50, kinds, 300, hq, hkv, d, page, dtype)
+    assert batch["kv_lens"].max() > 64
+    expected = paged_attention_reference(**batch, block_size=page)
+    poisoned = torch.full_like(batch["q"], float("nan"))
+    got = paged_attention_triton(**batch, block_size=page, max_query_len=max_q, out=poisoned, max_kv_len=64)
+    assert torch.allclose(got.float(), expected.float(), atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="max_kv_len"):
+        paged_attention_triton(**batch, block_size=page, max_query_len=max_q, max_kv_len=0)
+
+
 @pytest.mark.parametrize("block_m,block_n", [(128, 64), (16, 32)])
 def test_tile_sizes_match_reference(block_m, block_n):
     """The row-tile and key-chunk sizes a launch may override (benchmarks/kernels.py --launch-sweep)."""
