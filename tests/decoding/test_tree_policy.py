@@ -361,3 +361,27 @@ def test_a_near_tree_left_behind_by_an_unlucky_trial_is_revisited_and_takes_over
     engine, trees = engine_with_costs(costs, prior)
     ran = run_policy(engine, trees, costs, real, 1000)
     assert engine.policy.decision[1] is trees[32] and {n for n in ran[-500:] if n > 1} == {32}  # plain: revisits
+
+
+def test_a_tree_is_expected_to_accept_at_least_what_a_tree_inside_it_accepts():
+    """A tree holding every node of another (head paths and lookup chain) accepts at least what that one
+    does, so a few unlucky steps of the larger tree cannot hand a batch size to its subtree at the same
+    step cost; a tree missing one of its nodes, or its lookup chain, gets no such floor."""
+    from medusa.decoding.tree_policy import TreePolicy
+    from medusa.tree import TreeSpec
+
+    small = TreeSpec.from_paths([(0,), (1,)], name="small").with_lookup(2)
+    big = TreeSpec.from_paths([(0,), (1,), (0, 0)], name="big").with_lookup(2)
+    other = TreeSpec.from_paths([(0,), (0, 0), (2,)], name="other").with_lookup(2)  # lacks small's (1,)
+    no_chain = TreeSpec.from_paths([(0,), (1,), (0, 0)], name="no-chain")
+    policy = TreePolicy()
+    policy.prior = {small: 1.5, big: 1.6, other: 1.6, no_chain: 1.4}
+    for tree in (small, big, other, no_chain):
+        policy.add_cost(1, tree, 1e-3)
+    policy.observe(small, 2800, 1000)  # 2.8 tokens a step over many steps
+    for tree in (big, other, no_chain):
+        policy.observe(tree, 4, 4)  # one token a step over a few unlucky ones
+    assert policy._own_length(big) < policy.expected_length(small) <= policy.expected_length(big)
+    assert policy.score(1, big) >= policy.score(1, small)
+    assert policy.expected_length(other) == policy._own_length(other) < policy.expected_length(small)
+    assert policy.expected_length(no_chain) == policy._own_length(no_chain) < policy.expected_length(small)
