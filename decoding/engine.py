@@ -617,7 +617,7 @@ class LLMEngine:
         # drafts came through the lookup chain if the deepest node is on it (no node is, without one: first == N)
         first = tree.first_lookup_node
         drafted, depth = tree.num_nodes - 1, tree.spec.max_depth
-        outputs, counts, from_lookup = [], [], 0
+        outputs, counts, bests, from_lookup = [], [], [], 0
         live, commit = self.requests, self.blocks.commit  # looked up once: this loop runs for every row
         for request, row in zip(requests, rows):
             seq, count = request.seq, row[0]
@@ -626,6 +626,7 @@ class LLMEngine:
             looked_up = count - 1 if row[-1] >= first else 0
             _record_step(request.stats, drafted, depth, count, looked_up)
             counts.append(count)
+            bests.append(row[-1])
             from_lookup += looked_up
             emitted = self._append(request, row[1:count + 1])
             if not seq.is_finished:
@@ -633,6 +634,8 @@ class LLMEngine:
             if not request.quiet or seq.is_finished:  # a quiet request is reported once, finished
                 outputs.append(self._output(request, emitted))
         self._count_step(tree.spec, counts, from_lookup)
+        if len(bests) and tree.num_nodes > 1:
+            self.policy.observe_subtrees(tree.spec, np.asarray(bests, dtype=np.int64))
         return outputs
 
     def _count_step(self, spec: TreeSpec, counts: list[int], from_lookup: int = 0) -> None:

@@ -75,6 +75,13 @@ step cost (session 19: at one request a 4-node tree and its 8-node superset, bot
 cost 0.700 and 0.698 ms, and the policy ran the smaller one in 6,906 of 7,201 Spec-Bench steps, at
 2.81 tokens a step against the larger one's 2.90 when the policy ran it in session 18).
 
+Every step of a tree also says what each tree inside it would have emitted on the same traffic: for a
+row's deepest accepted node, the deepest node of its accepted path that the smaller tree holds
+(`observe_subtrees`; exact for greedy rows up to siblings proposing one token). So the trees inside the
+running one are observed at every step rather than in a trial of a few steps, which at a request's
+start can leave them far below what they accept (session 19, H200, 8 requests: 4-5 trial steps left
+the 8- to 36-token trees at 1.88-2.28 expected tokens; the 12-token one accepts 2.9 at one request).
+
 A batch size whose trees are untried borrows the decision of the nearest
 smaller batch size that has made one, when that decision is plain decoding: a
 tree costs more against a plain step the more rows it has while it accepts the
@@ -88,6 +95,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
+
+import numpy as np
 
 from medusa.tree import TreeSpec
 
@@ -151,6 +160,7 @@ class TreePolicy:
         self._since_revisit: dict[int, int] = {}  # bucket -> steps of its speculative decision since a revisit
         self._subtrees: dict[TreeSpec, list[TreeSpec]] = {}  # tree -> the other trees with a prior inside it
         self._subtrees_of: dict = self.prior  # the priors _subtrees was built from
+        self._emits: dict[TreeSpec, list[tuple[TreeSpec, np.ndarray]]] = {}  # see `observe_subtrees`
 
     def add_prior(self, tree: TreeSpec, accuracies) -> bool:
         """Predict the tree's accepted length; False if the accuracies do not cover its heads or ranks."""
@@ -159,6 +169,7 @@ class TreePolicy:
         except ValueError:
             return False
         self._subtrees.clear()
+        self._emits.clear()
         return True
 
     def add_cost(self, bucket: int, tree: TreeSpec, seconds: float) -> None:
@@ -180,6 +191,18 @@ class TreePolicy:
             got, predicted = self._heads_evidence
             self._heads_evidence = (got + emitted - sequence_steps,
                                     predicted + (self.prior[tree] - 1.0) * sequence_steps)
+
+    def observe_subtrees(self, tree: TreeSpec, best_nodes: np.ndarray) -> None:
+        """Count for each speculative tree with a prior inside `tree` the tokens it would have emitted
+        on this step, from each row's deepest accepted node `best_nodes` [rows] of `tree` (see the
+        module's docstring). Only the trees' own observations move, not the corrections the
+        heads-only and lookup trees share (their evidence is the trees that ran)."""
+        inside = self._inside(tree)  # first: it drops the cached tables if the priors were replaced
+        if tree not in self._emits:
+            self._emits[tree] = [(sub, _emitted_within(tree, sub)) for sub in inside if sub.num_nodes > 1]
+        for sub, emitted in self._emits[tree]:
+            tokens, steps = self.observed.get(sub, (0, 0))
+            self.observed[sub] = (tokens + int(emitted[best_nodes].sum()), steps + len(best_nodes))
 
     def observe_step(self, bucket: int, tree: TreeSpec, seconds: float, proposed: bool = False) -> None:
         """A decode step's wall time, host work included, at this (padded) batch size. `proposed`:
@@ -287,12 +310,15 @@ class TreePolicy:
     def expected_length(self, tree: TreeSpec) -> float:
         """Tokens a step of `tree` emits: its prior corrected by what it accepted, and at least what any
         tree whose nodes it holds is expected to accept."""
-        subtrees = self._subtrees.get(tree)
-        if subtrees is None or self._subtrees_of is not self.prior:  # the priors may be replaced wholesale
-            if self._subtrees_of is not self.prior:
-                self._subtrees, self._subtrees_of = {}, self.prior
-            subtrees = self._subtrees[tree] = [t for t in self.prior if t != tree and _holds(tree, t)]
-        return max([self._own_length(tree)] + [self._own_length(t) for t in subtrees])
+        return max([self._own_length(tree)] + [self._own_length(t) for t in self._inside(tree)])
+
+    def _inside(self, tree: TreeSpec) -> list[TreeSpec]:
+        """The other trees with a prior whose every node `tree` holds (cached)."""
+        if self._subtrees_of is not self.prior:  # the priors may be replaced wholesale
+            self._subtrees, self._subtrees_of, self._emits = {}, self.prior, {}
+        if tree not in self._subtrees:
+            self._subtrees[tree] = [t for t in self.prior if t != tree and _holds(tree, t)]
+        return self._subtrees[tree]
 
     def _own_length(self, tree: TreeSpec) -> float:
         tokens, steps = self.observed.get(tree, (0, 0))
@@ -368,3 +394,15 @@ class TreePolicy:
 def _holds(big: TreeSpec, small: TreeSpec) -> bool:
     """Whether `big` has every node of `small`: its head paths and at least its lookup chain."""
     return small.lookup <= big.lookup and set(small.paths) <= set(big.paths)
+
+
+def _emitted_within(big: TreeSpec, small: TreeSpec) -> np.ndarray:
+    """[big's nodes]: the tokens a step of `small` (held by `big`) emits when `big`'s deepest accepted
+    node is that node: 1 + the depth of the deepest node on its path from the root that `small` holds."""
+    held = {(): True, **{p: True for p in small.paths}}
+    first, parents, depths = big.first_lookup_node, big.parents.tolist(), big.depths.tolist()
+    emitted = [1] * big.num_nodes
+    for node in range(1, big.num_nodes):
+        inside = node - first < small.lookup if node >= first else big.paths[node - 1] in held
+        emitted[node] = depths[node] + 1 if inside else emitted[parents[node]]
+    return np.array(emitted, dtype=np.int64)

@@ -385,3 +385,51 @@ def test_a_tree_is_expected_to_accept_at_least_what_a_tree_inside_it_accepts():
     assert policy.score(1, big) >= policy.score(1, small)
     assert policy.expected_length(other) == policy._own_length(other) < policy.expected_length(small)
     assert policy.expected_length(no_chain) == policy._own_length(no_chain) < policy.expected_length(small)
+
+
+def test_a_step_of_a_tree_counts_what_the_trees_inside_it_would_have_emitted():
+    """For a row's deepest accepted node, a tree inside the running one emits 1 + the depth of the
+    deepest node of that path it holds; only its own observations move, not the shared corrections."""
+    import numpy as np
+
+    from medusa.decoding.tree_policy import TreePolicy, _emitted_within
+    from medusa.tree import TreeSpec
+
+    big = TreeSpec.from_paths([(0,), (1,), (0, 0)], name="big").with_lookup(2)  # nodes: root, 0, 1, 00, L1, L2
+    small = TreeSpec.from_paths([(0,)], name="small").with_lookup(1)
+    assert _emitted_within(big, small).tolist() == [1, 2, 1, 2, 2, 2]
+    assert _emitted_within(big, big).tolist() == (big.depths + 1).tolist()
+    plain = TreeSpec.from_paths([], name="single")
+    policy = TreePolicy()
+    policy.prior = {big: 2.0, small: 1.5, plain: 1.0}
+    evidence = (policy._heads_evidence, policy._lookup_gain)
+    policy.observe_subtrees(big, np.array([3, 5, 2, 0]))
+    assert policy.observed == {small: (6, 4)}  # the plain tree always emits one token: nothing to learn
+    assert (policy._heads_evidence, policy._lookup_gain) == evidence
+
+
+def test_the_engine_reports_each_rows_deepest_accepted_node_to_the_policy():
+    """The nodes the engine passes are the rows' deepest accepted ones: for the running tree itself they
+    give back exactly the tokens each row emitted."""
+    from medusa.decoding.tree_policy import _emitted_within
+
+    model, heads = tiny_decoder(24, logit_scale=3, num_heads=4)
+    engine = LLMEngine(model, heads)
+    calls, count_step, observe = [], engine._count_step, engine.policy.observe_subtrees
+
+    def counting(spec, counts, from_lookup=0):
+        calls.append([spec, list(counts), None])
+        return count_step(spec, counts, from_lookup)
+
+    def observing(spec, best_nodes):
+        assert calls[-1][0] == spec and calls[-1][2] is None
+        calls[-1][2] = best_nodes
+        return observe(spec, best_nodes)
+
+    engine._count_step, engine.policy.observe_subtrees = counting, observing
+    prompts = [[1 + i, 2, 3, 4 + i] * 3 for i in range(3)]
+    engine.generate(prompts, SamplingParams(max_tokens=12))
+    trees = [c for c in calls if c[0].num_nodes > 1]
+    assert trees and all(c[2] is not None for c in trees)
+    for spec, counts, best_nodes in trees:
+        assert _emitted_within(spec, spec)[best_nodes].tolist() == counts
