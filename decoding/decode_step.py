@@ -226,7 +226,10 @@ class DecodeStep:
         b, n = len(seqs), tree.num_nodes
         padded = self.bucket(b)
         _check_backed(seqs, n, self.cache.block_size)
-        longest = max(s.num_computed_tokens + s.num_inflight_tokens for s in seqs) + n  # keys after the step
+        # keys after the step (only short steps can use it: a 64-row step skips the pass over its sequences)
+        longest = 0
+        if padded <= SHORT_KV_MAX_BATCH:
+            longest = max(s.num_computed_tokens + s.num_inflight_tokens for s in seqs) + n
         self.kv_bound = kv_len_bound(padded, n, longest, self._table_keys, prompts is not None)
         tables = self._host_tables[:padded]
         # padding rows: block 0, whose first tree-size slots their queries read (real KV, finite: their
@@ -397,7 +400,8 @@ class DecodeStep:
                prompts: PromptSegment | None = None, kv_bound: int | None = None) -> dict:
         """The graphs of one key, captured at first use; a graph of the tables' width also captures its
         short-context sibling (`kv_len_bound`) if it has one, so that warmup leaves none for the hot path."""
-        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, kv_bound, prompts.num_tokens if prompts else 0)
+        prompt_tokens = prompts.num_tokens if prompts else 0
+        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, kv_bound, prompt_tokens)
         if key not in self._graphs:
             start = time.perf_counter()
             extra = {} if kv_bound is None else {"kv_bound": kv_bound}

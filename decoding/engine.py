@@ -634,7 +634,7 @@ class LLMEngine:
             if not request.quiet or seq.is_finished:  # a quiet request is reported once, finished
                 outputs.append(self._output(request, emitted))
         self._count_step(tree.spec, counts, from_lookup)
-        if len(bests) and tree.num_nodes > 1:
+        if bests and tree.num_nodes > 1:
             self.policy.observe_subtrees(tree.spec, np.asarray(bests, dtype=np.int64))
         return outputs
 
