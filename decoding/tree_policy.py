@@ -71,9 +71,9 @@ their priors.
 A tree holding every node of another (their head paths and lookup chain) accepts at least what that
 one does on any step, so its expected length is never below the smaller tree's (`expected_length`).
 Without that floor a larger tree seen for a few unlucky steps could lose to its own subtree at the same
-step cost (session 19: at one request a 4-node tree and its 8-node superset, both with 4 lookup nodes,
-cost 0.700 and 0.698 ms, and the policy ran the smaller one in 6,906 of 7,201 Spec-Bench steps, at
-2.81 tokens a step against the larger one's 2.90 when the policy ran it in session 18).
+step cost (session 19, H200, one request: graph steps of 4 and 12 tokens cost 0.700 and 0.698 ms, one
+16-row tile either way, and the policy ran the 8-token `searched-4+lookup4` in 6,906 of 7,201 Spec-Bench
+steps at 2.81 tokens a step, where its 12-token superset had accepted 2.90 in session 18).
 
 Every step of a tree also says what each tree inside it would have emitted on the same traffic: for a
 row's deepest accepted node, the deepest node of its accepted path that the smaller tree holds
