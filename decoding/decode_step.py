@@ -404,8 +404,7 @@ class DecodeStep:
         key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, kv_bound, prompt_tokens)
         if key not in self._graphs:
             start = time.perf_counter()
-            extra = {} if kv_bound is None else {"kv_bound": kv_bound}
-            self._graphs[key] = self._capture(tree, padded, sampling, key[3], prompts, **extra)
+            self._graphs[key] = self._capture(tree, padded, sampling, key[3], prompts, kv_bound=kv_bound)
             self._shapes.add((padded, tree.spec, key[-1]))
             self.capture_seconds += time.perf_counter() - start
             short = kv_len_bound(padded, tree.num_nodes, 0, self._table_keys, prompts is not None)
