@@ -70,6 +70,11 @@ def default_prompt_lookup(device: torch.device) -> int:
     return DEFAULT_PROMPT_LOOKUP if torch.device(device).type == "cuda" else 0
 
 
+# Tokens a step of each searched candidate tree carries, lookup chain included. On an H200 a step of the
+# default model cost the same at 12 and 16 tokens (0.698 and 0.694 ms, one 16-row tensor-core tile; RESULTS.md,
+# session 19) and more past 16 (the products leave the tile), so one candidate fills 16 exactly.
+STEP_TOKENS = (8, 12, 16, 32)
+
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -207,6 +212,12 @@ class MedusaModel:
                                            self.tokenizer, sorted(self.eos_token_ids))
         return self._engines[key]
 
+    def searched_sizes(self) -> tuple[int, ...]:
+        """Head nodes of the searched candidate trees: each fills a step of STEP_TOKENS tokens together
+        with the prompt-lookup chain (a step of 16 tokens is one tensor-core tile, so it costs what one
+        of 12 does)."""
+        return tuple(tokens - self.prompt_lookup for tokens in STEP_TOKENS if tokens - self.prompt_lookup >= 2)
+
     def engine_config(self) -> EngineConfig:
         """Candidate trees for the engine: searched for the heads' measured accuracies
         when they carry them (the heads' own tree as the largest), else the named ones;
@@ -214,7 +225,7 @@ class MedusaModel:
         if self.heads is None:
             return EngineConfig(prompt_lookup=self.prompt_lookup)
         cfg = self.heads.config
-        small = tuple(TreeSpec.search(cfg.accuracies, n, name=f"searched-{n}") for n in (4, 8, 16, 32)) \
+        small = tuple(TreeSpec.search(cfg.accuracies, n, name=f"searched-{n}") for n in self.searched_sizes()) \
             if cfg.accuracies else ("tree-4", "tree-8", "tree-16", "tree-32")
         own = TreeSpec.from_paths([tuple(p) for p in cfg.tree], name="heads") if cfg.tree else None
         largest = own if own is not None and own.num_nodes <= 64 else "tree-64"

@@ -201,3 +201,20 @@ def test_medusa_model_passes_prompt_lookup_to_its_engines(tiny):
     assert all(t.lookup == 3 for t in medusa.engine().scheduler.trees if t.num_nodes > 1)
     with pytest.raises(ValueError, match="prompt_lookup"):
         MedusaModel(model, None, heads, prompt_lookup=-2)
+
+
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_searched_candidates_fill_their_step_tokens(tiny, lookup, monkeypatch):
+    """Heads with measured accuracies get searched trees that, with the lookup chain, carry exactly
+    STEP_TOKENS tokens a step (16 of them fill one tensor-core tile), then the heads' own tree."""
+    from dataclasses import replace
+
+    from medusa.medusa_model import STEP_TOKENS, MedusaModel
+
+    model, heads = tiny
+    accuracies = [[0.6, 0.1, 0.05], [0.35, 0.1, 0.05], [0.25, 0.08, 0.04], [0.2, 0.06, 0.03]]
+    monkeypatch.setattr(heads, "config", replace(heads.config, accuracies=accuracies))
+    medusa = MedusaModel(model, None, heads, prompt_lookup=lookup)
+    searched = [t for t in medusa.engine_config().trees if isinstance(t, TreeSpec)]
+    assert [t.num_nodes + lookup for t in searched] == list(STEP_TOKENS)
+    assert [t.label for t in searched] == [f"searched-{n - lookup}" for n in STEP_TOKENS]
