@@ -387,7 +387,7 @@ class DecodeStep:
         # emitted tokens, the lookup history, the accepted path's KV moves, roots and committed lengths
         packed, src, dst = accept(tree, part1.candidates, best, next_tokens, self.slots[: padded * n].view(padded, n),
                                   rows, self.roots, self.row_base, self.padding_row, *history)
-        self.cache.move_all(src, dst)
+        self.cache.move_all(src, dst, src.numel() // padded)  # one row of moves per batch row
         if self.kmax and (propose or tree.num_nodes > 1):
             at_best = part1.hidden.view(padded, n, -1)[torch.arange(padded, device=self.device), best]  # [Bp, H]
             head_logits = self.heads(at_best, self.model.lm_head.weight, roots=next_tokens)  # [K, Bp, V]

@@ -15,6 +15,7 @@ import torch
 
 from medusa.config import ModelConfig
 from medusa.kernels.dispatch import use_triton
+from medusa.kernels.kv_move import move_kv
 from medusa.kernels.paged_attention import paged_attention_reference, write_kv_reference
 
 
@@ -95,10 +96,16 @@ class PagedKVCache:
         return paged_attention_reference(q, self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
                                          s.query_start, s.causal, s.step_bits, self.block_size)
 
-    def move_all(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """KV rows src -> dst [n] in every layer, gathering first (graph-safe: no host sync, any overlap)."""
-        self.k[:, dst_slots] = self.k[:, src_slots]
-        self.v[:, dst_slots] = self.v[:, src_slots]
+    def move_all(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, moves_per_row: int | None = None) -> None:
+        """KV rows src -> dst [n] int64 in every layer (graph-safe: no host sync); on a GPU one launch
+        for rows of up to `kv_move.MAX_MOVES_PER_ROW` moves, else the PyTorch reference's four kernels.
+
+        The moves are rows of `moves_per_row` consecutive entries, each row gathering all its reads
+        before its writes, so a dst may be another move's src of the same row; no row may read a slot
+        that another row writes (the decode step's rows have disjoint slots, padding rows only copy the
+        scratch slot onto itself). None, the default, makes all n moves one row: any overlap is safe.
+        """
+        move_kv(self.k, self.v, src_slots, dst_slots, moves_per_row)
 
 
 def _triton_available() -> bool:

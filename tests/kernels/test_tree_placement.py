@@ -76,6 +76,7 @@ def test_triton_wrapper_names_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run through the device tool)")
+@torch.inference_mode()  # the dispatcher takes the kernel only with autograd off
 def test_full_size_on_the_gpu_inside_a_graph():
     g = torch.Generator().manual_seed(5)
     inputs = [t.cuda() for t in batch(g, 64, 64, 16, 600, rows_total=65)]
