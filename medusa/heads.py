@@ -50,6 +50,7 @@ from torch import nn
 
 from medusa.heads_formats import CONFIG_FILE, OUR_FORMAT, WEIGHTS_FILE, read_heads
 from medusa.kernels import skinny_matmul
+from medusa.kernels.heads_stack import heads_stack, unit_rms
 
 FORMAT_VERSION = 1
 LM_HEAD_KINDS = ("shared", "lora", "full")
@@ -188,31 +189,41 @@ class MedusaHeads(nn.Module):
             # one [H, H] projection per (head k, chain token j < k), flattened: index k (k - 1) / 2 + j
             self.chain_proj = nn.Parameter(torch.zeros(k * (k - 1) // 2, h, h))
 
-    def hidden_states(self, hidden: torch.Tensor, root_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Residual stacks only: [..., H] (and root embeddings [..., H]) -> [num_heads, ..., H]."""
+    def hidden_states(self, hidden: torch.Tensor, roots: torch.Tensor | None = None,
+                      lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Residual stacks only: [..., H] -> [num_heads, ..., H]. Heads that read the root token also
+        take its ids roots [...] and the lm_head matrix [V, H] that embeds them."""
         h, k = self.config.hidden_size, self.config.num_heads
         if hidden.shape[-1] != h:
             raise ValueError(f"hidden has last dim {hidden.shape[-1]}, expected hidden_size={h}")
         x = hidden.to(self.heads[0][0].linear.weight.dtype)
-        flat = x.reshape(1, -1, h).expand(k, -1, -1)  # [K, N, H]
-        if self.config.condition_on_root:
-            e = _unit_rms(root_embeds.to(x.dtype)).reshape(1, -1, h).expand(k, -1, -1)
-            flat = flat + torch.bmm(e, self.root_proj)  # [K, N, H]
+        embed = self._check_roots(hidden, lm_head_weight, roots)
         if torch.is_grad_enabled():  # training: the modules themselves, so every weight gets its gradient
+            flat = x.reshape(1, -1, h).expand(k, -1, -1)  # [K, N, H]
+            if embed is not None:
+                e = unit_rms(F.embedding(roots, embed).to(x.dtype)).reshape(1, -1, h).expand(k, -1, -1)
+                flat = flat + torch.bmm(e, self.root_proj)  # [K, N, H]
             return torch.stack([head(flat[i]) for i, head in enumerate(self.heads)]).reshape(k, *x.shape)
-        # Inference: each layer of all K heads is one batched matmul (3 kernels a layer, not 3 x K);
-        # the decode step runs this every step, where launches, not FLOPs, cost the time.
-        for weight, bias in self._stacked_layers():
-            flat = flat + F.silu(torch.baddbmm(bias, flat, weight))  # [K, N, H]
-        return flat.reshape(self.config.num_heads, *x.shape)
+        # Inference: each stage of all K heads at once (`kernels/heads_stack.py`: one Triton launch a stage
+        # on a GPU, a batched matmul with its bias and activation on the CPU); the decode step runs this
+        # every step, where launches, not FLOPs, cost the time.
+        layers, root_proj_t = self._stacked_weights()
+        root = (roots.reshape(-1), embed, root_proj_t) if embed is not None else None
+        return heads_stack(x.reshape(-1, h), layers, k, root).reshape(k, *x.shape)
 
-    def _stacked_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer: the K heads' W^T [K, H, H] and biases [K, 1, H], rebuilt when a weight changes."""
+    def _stacked_weights(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+        """Per layer the K heads' weights [K, H_out, H_in] and biases [K, H]; the root projection as
+        [K, H_out, H_in] (or None): rebuilt when a weight changes."""
         linears = [[head[i].linear for head in self.heads] for i in range(self.config.num_layers)]
-        key = tuple((lin.weight.data_ptr(), lin.weight._version, lin.bias._version) for row in linears for lin in row)
+        params = [p for row in linears for lin in row for p in (lin.weight, lin.bias)]
+        if self.config.condition_on_root:
+            params.append(self.root_proj)
+        key = tuple((p.data_ptr(), p._version) for p in params)
         if getattr(self, "_stack_key", None) != key:
-            self._stack = [(torch.stack([lin.weight.t() for lin in row]), torch.stack([lin.bias[None] for lin in row]))
-                           for row in linears]
+            layers = [(torch.stack([lin.weight for lin in row]), torch.stack([lin.bias for lin in row]))
+                      for row in linears]
+            root_proj_t = self.root_proj.transpose(1, 2).contiguous() if self.config.condition_on_root else None
+            self._stack = (layers, root_proj_t)
             self._stack_key = key
         return self._stack
 
@@ -227,10 +238,10 @@ class MedusaHeads(nn.Module):
         greedy chain; other heads ignore it.
         """
         cfg = self.config
-        root_embeds = self._root_embeds(hidden, lm_head_weight, roots)
         if cfg.condition_on_chain:
-            return self._chained(hidden, lm_head_weight, root_embeds, chain)
-        states = self.hidden_states(hidden, root_embeds)  # [K, ..., H]
+            embed = self._check_roots(hidden, lm_head_weight, roots)
+            return self._chained(hidden, lm_head_weight, F.embedding(roots, embed), chain)
+        states = self.hidden_states(hidden, roots, lm_head_weight)  # [K, ..., H]
         lead = states.shape[1:-1]
         logits = self._project(states.reshape(cfg.num_heads, -1, cfg.hidden_size), lm_head_weight)
         return logits.reshape(cfg.num_heads, *lead, cfg.vocab_size)
@@ -259,7 +270,7 @@ class MedusaHeads(nn.Module):
         if chain is not None and tuple(chain.shape) != (*lead, k_heads - 1):
             raise ValueError(f"chain has shape {tuple(chain.shape)}, expected {(*lead, k_heads - 1)}")
         x = hidden.to(self.heads[0][0].linear.weight.dtype).reshape(-1, h)  # [N, H]
-        root = _unit_rms(root_embeds.to(x.dtype).reshape(-1, h))  # [N, H]
+        root = unit_rms(root_embeds.to(x.dtype).reshape(-1, h))  # [N, H]
         read: list[torch.Tensor] = []  # unit-RMS embeddings [N, H] of the chain tokens so far
         out = []
         for k, head in enumerate(self.heads):
@@ -270,12 +281,12 @@ class MedusaHeads(nn.Module):
             out.append(logits)
             if k + 1 < k_heads:
                 token = chain.reshape(-1, k_heads - 1)[:, k] if chain is not None else logits.argmax(-1)
-                read.append(_unit_rms(F.embedding(token, lm_head_weight).to(x.dtype)))
+                read.append(unit_rms(F.embedding(token, lm_head_weight).to(x.dtype)))
         return torch.stack(out).reshape(k_heads, *lead, cfg.vocab_size)
 
-    def _root_embeds(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor | None,
+    def _check_roots(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor | None,
                      roots: torch.Tensor | None) -> torch.Tensor | None:
-        """The roots' rows of the lm_head matrix [..., H], or None for heads that do not read them."""
+        """The lm_head matrix [V, H] that embeds the roots, or None for heads that do not read them."""
         if not self.config.condition_on_root:
             return None
         if roots is None:
@@ -285,7 +296,7 @@ class MedusaHeads(nn.Module):
                              f"{tuple(hidden.shape[:-1])}")
         if lm_head_weight is None:
             raise ValueError("these heads condition on the root token: they need lm_head_weight [V, H] to embed it")
-        return F.embedding(roots, self._check_lm_head(lm_head_weight))
+        return self._check_lm_head(lm_head_weight)
 
     def _check_lm_head(self, weight: torch.Tensor | None) -> torch.Tensor:
         cfg = self.config
@@ -345,11 +356,6 @@ class MedusaHeads(nn.Module):
         _agree("vocab_size", vocab_size, config.vocab_size, raw.source)
         model = _build(cls, config, raw.state_dict, raw.source, dtype)
         return model.to(device=device) if device is not None else model
-
-
-def _unit_rms(e: torch.Tensor) -> torch.Tensor:
-    """Token embeddings [..., H] scaled to unit RMS, whatever the base's embedding scale."""
-    return e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 def _agree(name: str, given: int | None, found: int, source: str) -> int:
