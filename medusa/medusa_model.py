@@ -61,9 +61,11 @@ class GenerationStream:
 
 # Prompt-lookup nodes in speculative trees on a GPU unless the caller says otherwise: on the H200, 4 took
 # the shipped heads from 1.78 to 2.82 tokens per step on all of Spec-Bench (1.48x -> 2.33x; RESULTS.md,
-# E4). On a CPU every tree node costs about a token's compute, and the chain made a general chat prompt
+# E4), and with 16-token steps 8 took them from 2.97 to 3.46 tokens on 65 questions (1.81x -> 2.07x its
+# plain decoding; 6: 1.97x, 12: 2.08x) and to 3.30 tokens, 2.00x, on all 480 (RESULTS.md, session 20).
+# On a CPU every tree node costs about a token's compute, and the chain made a general chat prompt
 # slower (0.85x -> 0.61x on 2 cores): none there by default.
-DEFAULT_PROMPT_LOOKUP = 4
+DEFAULT_PROMPT_LOOKUP = 8
 
 
 def default_prompt_lookup(device: torch.device) -> int:
@@ -122,7 +124,7 @@ class MedusaModel:
         "auto" (measure step cost on this device), or None (the heads' own tree,
         else "auto"). dtype: torch.bfloat16 or its name, None: bfloat16 on a GPU, float32 on a
         CPU. prompt_lookup: L > 0 adds L prompt-lookup nodes (n-gram copies of
-        earlier text) to speculative trees; None: 4 on a GPU, 0 on a CPU (see
+        earlier text) to speculative trees; None: 8 on a GPU, 0 on a CPU (see
         DEFAULT_PROMPT_LOOKUP); 0: the heads alone. Outputs are unchanged either way.
         """
         from medusa import default_model
