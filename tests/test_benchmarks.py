@@ -190,6 +190,23 @@ def test_gpu_trace_summary_merges_overlapping_kernels():
     assert top["a"]["per_step"] == 1 and top["a"]["ms_per_step"] == 20e-3 / 2 and top["a"]["share"] == 0.5
 
 
+def test_step_parts_lists_the_last_replay_and_needs_a_gpu(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_trace import GpuTrace
+    from step_parts import kernels_of
+
+    trace = GpuTrace()
+    kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    # two replays of two kernels each, listed out of order, and a host event
+    trace.events = [kernel("b", 108, 3), kernel("a", 0, 4), kernel("a", 100, 5), kernel("b", 6, 2),
+                    {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]
+    assert kernels_of(trace, 2) == [(0.0, 5, "a"), (8.0, 3, "b")]
+    if not __import__("torch").cuda.is_available():
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_parts.py"), "--out",
+                               str(tmp_path / "parts.json")], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 1 and "needs a GPU" in done.stderr
+
+
 def test_throughput_rejects_a_bad_length_spread(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--out",
                            str(tmp_path), "--length-spread", "1.5"], cwd=ROOT, capture_output=True, text=True)
