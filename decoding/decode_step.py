@@ -361,7 +361,7 @@ class DecodeStep:
         candidates = build_candidates(tree, self.roots[rows], topk, lookup)
         meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
                             kv_lens=self.kv_lens[:padded], query_start=self.query_start[: padded + 1],
-                            causal=self.causal[:padded], step_bits=tree.bits.repeat(padded), max_query_len=n,
+                            causal=self.causal[:padded], step_bits=tree.batch_bits(padded), max_query_len=n,
                             max_kv_len=kv_bound)
         ids = candidates.flatten()
         if prompts is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ class DeviceTree:
     max_topk: int  # how many top-k candidates the deepest-needed head must give
     bits: torch.Tensor | None  # [N] int64 ancestor bits (the kernels' tree mask); None past 64 nodes
     paths: torch.Tensor  # [N, D + 1] long: node i's ancestor at each depth (i itself past its depth)
+    _batch_bits: dict = field(default_factory=dict, compare=False, repr=False)  # padded -> [padded * N]
 
     @classmethod
     def from_spec(cls, spec: TreeSpec, device: torch.device) -> "DeviceTree":
@@ -40,6 +41,15 @@ class DeviceTree:
     @property
     def num_nodes(self) -> int:
         return self.spec.num_nodes
+
+    def batch_bits(self, padded: int) -> torch.Tensor | None:
+        """`bits` for each of `padded` rows, [padded * N] int64 (None past 64 nodes): built once per batch
+        size, so a captured step reads a kept buffer instead of copying the bits in every replay."""
+        if self.bits is None:
+            return None
+        if padded not in self._batch_bits:
+            self._batch_bits[padded] = self.bits.repeat(padded)
+        return self._batch_bits[padded]
 
     @property
     def first_lookup_node(self) -> int:

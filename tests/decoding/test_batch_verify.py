@@ -96,3 +96,11 @@ def test_batch_buckets_never_pass_max_num_seqs():
     assert batch_buckets(8) == [1, 2, 4, 8]
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert batch_buckets(60) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 60]  # was ... 56, 64: 64 rows in 60-row buffers
+
+
+def test_batch_bits_are_built_once_per_batch_size():
+    """A captured step reads the repeated tree bits from a kept buffer, one per batch size."""
+    tree = DeviceTree.from_spec(TreeSpec.load("tree-8").with_lookup(2), torch.device("cpu"))
+    two = tree.batch_bits(2)
+    assert torch.equal(two, tree.bits.repeat(2)) and tree.batch_bits(2) is two
+    assert torch.equal(tree.batch_bits(3), tree.bits.repeat(3)) and tree.batch_bits(3) is not two
