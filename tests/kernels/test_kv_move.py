@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 from medusa.kernels.kv_move import check_moves, move_kv, move_kv_reference  # noqa: E402
 from medusa.kernels.kv_move_triton import move_kv_triton  # noqa: E402
 
-from kernel_inputs import DEVICE  # noqa: E402
+from kernel_inputs import DEVICE, engine_through_kernel  # noqa: E402
 
 
 def moves(g, rows, m, slots, padding_rows=2, spare=3):
@@ -137,23 +137,9 @@ def test_an_engine_stepping_through_the_kernel_gives_the_reference_outputs(monke
     if DEVICE != "cpu":  # tests/decoding's GPU tests run the kernel inside CUDA graphs, on the default model
         pytest.skip("the tiny model's head_dim of 8 has no GPU attention kernel")
     import medusa.kernels.kv_move as kv_move
-    from medusa.decoding.engine import EngineConfig, LLMEngine
-    from medusa.decoding.sampling_params import SamplingParams
-    from tiny_models import tiny_decoder
 
-    model, heads = tiny_decoder(24, logit_scale=3, num_heads=4)
-    prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7], [8, 9, 8, 9, 8, 9, 8, 9]]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-
-    def run():
-        engine = LLMEngine(model, heads, EngineConfig(prompt_lookup=3, num_blocks=64, block_size=4))
-        outs = engine.generate(prompts, params)
-        return [o.token_ids for o in outs], [o.stats.accepted_lengths for o in outs]
-
-    want = run()
-    calls = []
-    monkeypatch.setattr(kv_move, "use_triton", lambda x, *rest: calls.append(1) or True)
-    assert run() == want and len(calls) > 5
+    want, got, calls = engine_through_kernel(monkeypatch, kv_move)
+    assert got == want and calls > 5
     assert max(max(lengths) for lengths in want[1]) > 1  # some step accepted drafts: some KV moved
 
 

@@ -10,7 +10,7 @@ from medusa.kernels.tree_accept import accept_reference, verdict_reference  # no
 from medusa.kernels.tree_accept_triton import accept_triton, verdict_triton  # noqa: E402
 from medusa.tree import TreeSpec  # noqa: E402
 
-from kernel_inputs import DEVICE  # noqa: E402
+from kernel_inputs import DEVICE, engine_through_kernel  # noqa: E402
 
 TREES = [("single", 0), ("tree-4", 0), ("tree-16", 3), ("tree-64", 0), ("tree-4", 6), ("tree-32", 4)]
 
@@ -94,22 +94,7 @@ def test_an_engine_stepping_through_the_kernels_gives_the_reference_outputs(monk
     if DEVICE != "cpu":  # tests/decoding's GPU tests run the kernels inside CUDA graphs, on the default model
         pytest.skip("the tiny model's head_dim of 8 has no GPU attention kernel")
     import medusa.kernels.tree_accept as tree_accept
-    from medusa.decoding.engine import EngineConfig, LLMEngine
-    from medusa.decoding.sampling_params import SamplingParams
-    from tiny_models import tiny_decoder
 
-    model, heads = (m.to(DEVICE) for m in tiny_decoder(24, logit_scale=3, num_heads=4))
-    prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7], [8, 9, 8, 9, 8, 9, 8, 9]]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-
-    def run():
-        engine = LLMEngine(model, heads, EngineConfig(prompt_lookup=3, num_blocks=64, block_size=4))
-        outs = engine.generate(prompts, params)
-        return [o.token_ids for o in outs], [o.stats.accepted_lengths for o in outs]
-
-    want = run()
-    calls = []
-    # the interpreter runs the kernels on the CPU tensors
-    monkeypatch.setattr(tree_accept, "use_triton", lambda x, *rest: calls.append(1) or True)
-    assert run() == want and len(calls) > 10
+    want, got, calls = engine_through_kernel(monkeypatch, tree_accept)
+    assert got == want and calls > 10
     assert max(max(lengths) for lengths in want[1]) > 1  # some step accepted drafts
