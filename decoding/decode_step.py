@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from medusa.decoding.batch_verify import build_candidates, sampled_targets
+from medusa.decoding.batch_verify import sampled_targets
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, host_buffer, overwritten, to_device, upload
@@ -44,6 +44,7 @@ from medusa.heads import MedusaHeads
 from medusa.kernels.ngram_lookup import ngram_lookup
 from medusa.kernels.top_k import top_k_indices
 from medusa.kernels.tree_accept import accept, verdict
+from medusa.kernels.tree_candidates import gather_candidates
 from medusa.kernels.tree_placement import place_tree
 from medusa.model import DecoderModel
 
@@ -354,11 +355,9 @@ class DecodeStep:
         base, positions = place_tree(self.row_base, rows, self.tables[:padded], tree.depths, self.cache.block_size,
                                      self.padding_row, self.scratch_slot, self.last_position,
                                      self.slots[: padded * n], self.kv_lens[:padded])
-        # the heads' top-k [Bp, K, kmax] only for a tree that has head nodes: for a plain tree the gather
-        # would be one more kernel in every captured plain step that a plain engine does not run
-        topk = self.topk[rows] if self.kmax and n > 1 else None
         lookup = ngram_lookup(self.history, self.history_len, rows, tree.num_lookup) if tree.num_lookup else None
-        candidates = build_candidates(tree, self.roots[rows], topk, lookup)
+        # root, heads' proposals (their top-k [R, K, kmax] from the last step) and lookup chain: [Bp, N]
+        candidates = gather_candidates(tree, rows, self.roots, self.topk if self.kmax else None, lookup)
         meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
                             kv_lens=self.kv_lens[:padded], query_start=self.query_start[: padded + 1],
                             causal=self.causal[:padded], step_bits=tree.batch_bits(padded), max_query_len=n,
