@@ -53,9 +53,10 @@ def gather_candidates_triton(tree: DeviceTree, rows: torch.Tensor, roots: torch.
                          f"lookup must be [{b}, >= {tree.num_lookup}], got {None if lookup is None else tuple(lookup.shape)}")
     out = torch.empty(b, n, dtype=torch.long, device=device)
     if b:
-        heads = topk if first > 1 else roots  # a tree without head nodes reads none: any pointer will do
+        # a tree without head nodes (or chain) reads none of those tensors: any non-empty one will do
+        heads, index, ranks = (topk, tree.head_index, tree.ranks) if first > 1 else (roots, roots, roots)
         chain = lookup if tree.num_lookup else roots
-        _candidates_kernel[(b,)](rows, roots, heads, tree.head_index, tree.ranks, chain, out, n, first,
+        _candidates_kernel[(b,)](rows, roots, heads, index, ranks, chain, out, n, first,
                                  heads.stride(0) if first > 1 else 0, heads.stride(1) if first > 1 else 0,
                                  chain.stride(0) if tree.num_lookup else 0, NODES=triton.next_power_of_2(n),
                                  HAS_LOOKUP=tree.num_lookup > 0)
