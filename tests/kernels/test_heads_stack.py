@@ -14,11 +14,13 @@ from kernel_inputs import DEVICE, rand  # noqa: E402
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
-def weights(g, k, h, num_layers, vocab, dtype, with_root):
+def weights(g, k, h, num_layers, vocab, dtype, root_rows=0):
+    """layers [(weight [K, H, H], bias [K, H])] and, for root_rows > 0, the root stage's (roots [root_rows],
+    embed [V, H], root_proj_t [K, H, H]), else None."""
     layers = [(rand(g, k, h, h, dtype=dtype) / h ** 0.5, rand(g, k, h, dtype=dtype)) for _ in range(num_layers)]
     root = None
-    if with_root:
-        root = (torch.randint(0, vocab, (0,), generator=g), rand(g, vocab, h, dtype=dtype) * 3,
+    if root_rows:
+        root = (torch.randint(0, vocab, (root_rows,), generator=g).to(DEVICE), rand(g, vocab, h, dtype=dtype) * 3,
                 rand(g, k, h, h, dtype=dtype) / h ** 0.5)
     return layers, root
 
@@ -36,9 +38,7 @@ def close(got, want, dtype):
 def test_triton_kernel_matches_the_reference(seed, rows, h, num_layers, with_root, dtype):
     g = torch.Generator().manual_seed(seed)
     k, vocab = 4, 50
-    layers, root = weights(g, k, h, num_layers, vocab, dtype, with_root)
-    if root is not None:
-        root = (torch.randint(0, vocab, (rows,), generator=g).to(DEVICE), *root[1:])
+    layers, root = weights(g, k, h, num_layers, vocab, dtype, rows if with_root else 0)
     x = rand(g, rows, h, dtype=dtype)
     got = heads_stack_triton(x, layers, k, root)
     want = heads_stack_reference(x, layers, k, root)
@@ -51,8 +51,7 @@ def test_triton_kernel_matches_the_reference(seed, rows, h, num_layers, with_roo
 def test_root_stage_alone_and_no_stage():
     g = torch.Generator().manual_seed(5)
     k, h, rows = 3, 40, 4
-    _, root = weights(g, k, h, 0, 30, torch.float32, True)
-    root = (torch.randint(0, 30, (rows,), generator=g).to(DEVICE), *root[1:])
+    _, root = weights(g, k, h, 0, 30, torch.float32, rows)
     x = rand(g, rows, h)
     assert close(heads_stack_triton(x, [], k, root), heads_stack_reference(x, [], k, root), torch.float32)
     plain = heads_stack_triton(x, [], k, None)
@@ -61,7 +60,7 @@ def test_root_stage_alone_and_no_stage():
 
 def test_wrapper_rejects_bad_input():
     g = torch.Generator().manual_seed(6)
-    layers, root = weights(g, 2, 32, 1, 10, torch.float32, True)
+    layers, root = weights(g, 2, 32, 1, 10, torch.float32, 3)
     x = rand(g, 3, 32)
     with pytest.raises(ValueError, match="rows"):
         heads_stack_triton(rand(g, KERNEL_MAX_ROWS + 1, 32), layers, 2)
@@ -77,7 +76,7 @@ def test_wrapper_rejects_bad_input():
 
 def test_dispatch_falls_back_past_the_kernel_rows():
     g = torch.Generator().manual_seed(7)
-    layers, _ = weights(g, 2, 24, 1, 10, torch.float32, False)
+    layers, _ = weights(g, 2, 24, 1, 10, torch.float32)
     x = rand(g, KERNEL_MAX_ROWS + 3, 24)
     assert torch.equal(heads_stack(x, layers, 2), heads_stack_reference(x, layers, 2))
 
@@ -109,8 +108,7 @@ def test_heads_inference_equals_their_training_modules(condition_on_root):
 def test_full_size_heads_on_the_gpu(rows):
     """The default model's heads' shape (4 heads, 2 layers, H 576, vocabulary 49,152) in bf16."""
     g = torch.Generator().manual_seed(9)
-    layers, root = weights(g, 4, 576, 2, 49152, torch.bfloat16, True)
-    root = (torch.randint(0, 49152, (rows,), generator=g).to(DEVICE), *root[1:])
+    layers, root = weights(g, 4, 576, 2, 49152, torch.bfloat16, rows)
     x = rand(g, rows, 576, dtype=torch.bfloat16)
     with torch.inference_mode():
         got = heads_stack(x, layers, 4, root)
