@@ -34,7 +34,7 @@ from medusa.adapter import has_adapter
 from medusa.attention import CausalAttention
 from medusa.decoding.engine import LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
-from medusa.medusa_model import MedusaModel
+from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP, MedusaModel
 from medusa.training.data import DATA_DIR
 from common import sync
 from plotting import pyplot
@@ -195,7 +195,7 @@ def main() -> None:
                         "trees or plain steps), so the accepted length is the heads' alone")
     p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
-                        "heads alone (default: the library's, 4 on a GPU and 0 on a CPU)")
+                        f"heads alone (default: the library's, {DEFAULT_PROMPT_LOOKUP} on a GPU and 0 on a CPU)")
     args = p.parse_args()
     if args.quick:
         args.per_category, args.max_new_tokens, args.limit = 1, 8, 4
