@@ -75,6 +75,15 @@ def heads_stack_triton(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.T
         if embed.dim() != 2 or embed.shape[1] != h or embed.dtype != x.dtype or not embed.is_contiguous():
             raise ValueError(f"heads_stack: embed must be a contiguous [V, {h}] of {x.dtype}, got "
                              f"{tuple(embed.shape)} {embed.dtype}")
+    padded = triton.next_power_of_2(rows)
+    if padded != rows and (root is not None or layers):
+        # ROWS is a compile-time constant: an eager call (the admission of any number of requests at once)
+        # runs the variant of the power of two above, which the decode graphs' batch buckets (1, 2, 4, 8,
+        # 16) compiled at warmup, instead of compiling one mid-run (0.1-1 s a variant on the H200)
+        x = torch.cat([x, x.new_zeros(padded - rows, h)])
+        if root is not None:
+            root = (torch.cat([root[0], root[0].new_zeros(padded - rows)]), root[1], root[2])
+        return heads_stack_triton(x, layers, num_heads, root)[:, :rows].contiguous()
     x = x.contiguous()
     block_k = triton.next_power_of_2(h)
     block_n = max(1, min(64, TILE_BYTES // x.element_size() // block_k))

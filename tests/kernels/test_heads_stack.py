@@ -34,7 +34,7 @@ def close(got, want, dtype):
 # and without the root stage; one and two layers
 @pytest.mark.parametrize("seed,rows,h,num_layers,with_root,dtype", [
     (0, 1, 200, 2, True, torch.float32), (1, 3, 100, 1, False, torch.float32), (2, 16, 64, 2, True, torch.float32),
-    (3, 2, 200, 1, True, torch.bfloat16), (4, 5, 96, 2, False, torch.float16)])
+    (3, 2, 200, 1, True, torch.bfloat16), (4, 5, 96, 2, False, torch.float16), (10, 7, 96, 2, True, torch.float32)])
 def test_triton_kernel_matches_the_reference(seed, rows, h, num_layers, with_root, dtype):
     g = torch.Generator().manual_seed(seed)
     k, vocab = 4, 50
@@ -56,6 +56,30 @@ def test_root_stage_alone_and_no_stage():
     assert close(heads_stack_triton(x, [], k, root), heads_stack_reference(x, [], k, root), torch.float32)
     plain = heads_stack_triton(x, [], k, None)
     assert plain.shape == (k, rows, h) and all(torch.equal(plain[i], x) for i in range(k))
+
+
+def test_row_counts_launch_power_of_two_variants(monkeypatch):
+    """ROWS is a compile-time constant: 3, 5 or 7 rows (an admission of that many requests) launch the 4- or
+    8-row variant that a decode graph's batch bucket compiled, on zero-padded rows, and return only theirs."""
+    import medusa.kernels.heads_stack_triton as module
+
+    launched, kernel = [], module._heads_stage_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["ROWS"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, "_heads_stage_kernel", Recorder())
+    g = torch.Generator().manual_seed(11)
+    for rows in (3, 5, 7, 8):
+        layers, root = weights(g, 2, 48, 1, 20, torch.float32, rows)
+        x = rand(g, rows, 48)
+        got = heads_stack_triton(x, layers, 2, root)
+        assert got.shape == (2, rows, 48) and close(got, heads_stack_reference(x, layers, 2, root), torch.float32)
+    assert launched == [4, 4, 8, 8, 8, 8, 8, 8]  # two stages (root, one layer) per call
 
 
 def test_wrapper_rejects_bad_input():
@@ -104,7 +128,7 @@ def test_heads_inference_equals_their_training_modules(condition_on_root):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("rows", [1, 4, 5, 16])
 def test_full_size_heads_on_the_gpu(rows):
     """The default model's heads' shape (4 heads, 2 layers, H 576, vocabulary 49,152) in bf16."""
     g = torch.Generator().manual_seed(9)
