@@ -187,6 +187,34 @@ def test_gpu_trace_summary_merges_overlapping_kernels():
     assert top["a"]["per_step"] == 1 and top["a"]["ms_per_step"] == 20e-3 / 2 and top["a"]["share"] == 0.5
 
 
+def test_stalls_logs_what_the_steps_waited_for_and_needs_a_gpu(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gc
+
+    from stalls import StallLog, kinds_summary, stalls_summary
+
+    class Trace:  # stands in for step_trace.StepTrace: two steps recorded so far
+        steps = [{}, {}]
+
+    with StallLog() as log:
+        log.trace = Trace()
+        gc.collect()
+    gc.collect()  # after the log ended: not recorded
+    events = log.take()
+    assert [e["kind"] for e in events] == ["gc"] and events[0]["step"] == 2 and events[0]["ms"] >= 0
+    assert stalls_summary(events + events)["gc"]["count"] == 2 and log.take() == []
+    step = lambda rows, nodes, carried, prefilled, ms: {"rows": rows, "nodes": nodes, "carried": carried,
+                                                        "prefilled": prefilled, "ms": ms}
+    kinds = kinds_summary([step(0, 0, 0, 64, 9.0), step(4, 16, 32, 0, 2.0), step(4, 16, 0, 0, 1.0),
+                           step(4, 16, 0, 0, 3.0), step(4, 1, 0, 16, 500.0)])
+    assert list(kinds) == ["plain+prefill", "prefill", "tree-16", "tree-16+prompts"]  # by total time
+    assert kinds["tree-16"] == {"steps": 2, "ms": 4.0, "p50": 2.0, "p90": 2.8, "max": 3.0}
+    if not __import__("torch").cuda.is_available():
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stalls.py"), "--out", str(tmp_path)],
+                              cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 2 and "needs a CUDA device" in done.stderr
+
+
 def test_step_parts_lists_the_last_replay_and_needs_a_gpu(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_trace import GpuTrace
