@@ -149,7 +149,7 @@ def main() -> None:
     model, prompts = default_model(device, torch.bfloat16, None)
     scheduler = SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=4096)
     config = EngineConfig(num_blocks=4096, trees=model.engine_config().trees, scheduler=scheduler,
-                          prompt_lookup=args.prompt_lookup)
+                          prompt_lookup=model.prompt_lookup if args.prompt_lookup is None else args.prompt_lookup)
     eos = sorted(model.eos_token_ids)
     log = StallLog()
     runs, medusa_steps = [], {}
