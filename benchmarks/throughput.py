@@ -44,6 +44,7 @@ from medusa.loading import empty_model
 from medusa.training.data import DATA_DIR
 from common import SHAPES, sync
 from phases import PhaseTimer
+from stall_log import StallLog
 from step_trace import StepTrace
 from host_profile import HostProfile
 from gpu_trace import GpuTrace
@@ -150,11 +151,12 @@ def answer_lengths(count: int, mean: int, spread: float) -> list[int]:
 
 def summarize_runs(runs: list[dict]) -> dict:
     """A level's runs on one engine (its tree policy keeps learning): the run with the median tok/s, and every
-    run's tok/s, graphs captured and capture seconds, in run order. A level lasts about a second, and single
+    run's tok/s, graphs captured and capture seconds, Triton kernels compiled and compile seconds, in run order. A level lasts about a second, and single
     runs of the same code differed by up to 0.15 in speedup (RESULTS.md, Run E)."""
     median = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
     # in run order: a level's first run pays for its trials and for graphs captured at first use
-    return {**median, **{f"{key}_runs": [r[key] for r in runs] for key in ("tok_s", "graphs_captured", "capture_s")}}
+    keys = ("tok_s", "graphs_captured", "capture_s", "triton_compiles", "compile_s")
+    return {**median, **{f"{key}_runs": [r[key] for r in runs] for key in keys}}
 
 
 def diagnose(row: dict, engine: LLMEngine, args, level: list[list[int]], params: list[SamplingParams]) -> None:
@@ -220,7 +222,10 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         runs = {mode: [] for mode in engines}
         for _ in range(args.repeats):
             for mode, (engine, _) in engines.items():
-                runs[mode].append(run_level(engine, level, level_params, c))
+                with StallLog() as log:  # a kernel compiled mid-run stalls it (session 21: 0.3 s each)
+                    run = run_level(engine, level, level_params, c)
+                compiles = [e["ms"] for e in log.take() if e["kind"] == "triton_compile"]
+                runs[mode].append({**run, "triton_compiles": len(compiles), "compile_s": sum(compiles) / 1e3})
         for mode, (engine, warmup) in engines.items():
             row = {"model": name, "mode": mode, "concurrency": c, **warmup, **summarize_runs(runs[mode])}
             diagnose(row, engine, args, level, level_params)

@@ -137,6 +137,8 @@ def test_throughput_quick(tmp_path):
         assert row["tok_s"] > 0 and row["mean_accepted_length"] >= 1.0
         assert len(row["tok_s_runs"]) == 3 and row["tok_s"] == sorted(row["tok_s_runs"])[1]  # the median of 3
         assert row["graphs_captured_runs"] == [0] * 3 and row["capture_s_runs"] == [0.0] * 3  # no graphs on a CPU
+        # nothing compiled (Triton's interpreter runs the kernels as Python)
+        assert row["triton_compiles_runs"] == [0] * 3 and row["compile_s_runs"] == [0.0] * 3
         assert sum(row["decode_steps_per_tree"].values()) > 0 and 1 <= row["mean_decode_batch"] <= c
         assert row["tree_decisions"] == {}  # no measured tree policy on the CPU
     assert rows[("plain", 1)]["speedup"] == 1.0
@@ -187,11 +189,12 @@ def test_gpu_trace_summary_merges_overlapping_kernels():
     assert top["a"]["per_step"] == 1 and top["a"]["ms_per_step"] == 20e-3 / 2 and top["a"]["share"] == 0.5
 
 
-def test_stalls_logs_what_the_steps_waited_for_and_needs_a_gpu(tmp_path):
+def test_stalls_logs_what_the_steps_waited_for_and_needs_a_gpu(tmp_path, monkeypatch):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gc
 
-    from stalls import StallLog, kinds_summary, stalls_summary
+    from stall_log import StallLog, stalls_summary
+    from stalls import kinds_summary
 
     class Trace:  # stands in for step_trace.StepTrace: two steps recorded so far
         steps = [{}, {}]
@@ -202,6 +205,15 @@ def test_stalls_logs_what_the_steps_waited_for_and_needs_a_gpu(tmp_path):
     gc.collect()  # after the log ended: not recorded
     events = log.take()
     assert [e["kind"] for e in events] == ["gc"] and events[0]["step"] == 2 and events[0]["ms"] >= 0
+    # a Triton compile (a cache miss of a kernel variant) is logged with the kernel's name, and the patch goes
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setattr(JITFunction, "_do_compile", lambda fn, *args, **kwargs: "compiled")
+    stub = JITFunction._do_compile
+    with StallLog() as log:
+        assert JITFunction._do_compile(type("Kernel", (), {"__name__": "_some_kernel"})(), "key") == "compiled"
+    assert JITFunction._do_compile is stub
+    assert [(e["kind"], e["name"], e["step"]) for e in log.take()] == [("triton_compile", "_some_kernel", -1)]
     assert stalls_summary(events + events)["gc"]["count"] == 2 and log.take() == []
     step = lambda rows, nodes, carried, prefilled, ms: {"rows": rows, "nodes": nodes, "carried": carried,
                                                         "prefilled": prefilled, "ms": ms}
