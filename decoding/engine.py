@@ -286,7 +286,7 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.usage, self.totals,
                            dict(self.steps_per_tree))
 
-    def warmup(self, context: int = 512, max_batch: int | None = None) -> dict[int, str]:
+    def warmup(self, context: int = 512, max_batch: int | None = None, sampling: bool = False) -> dict[int, str]:
         """Capture the prefill and decode steps' CUDA graphs and, with heads, let the measured
         tree policy (`tree_policy.py`) pick each batch size's tree: its prior comes from the
         heads' measured accuracies, or a cautious guess for heads that carry none. An engine
@@ -297,6 +297,9 @@ class LLMEngine:
         request, so bucket 1; every bucket took 23 s for the default model on an H200); None: up to
         max_num_seqs. A bucket left out is captured at its first use and its tree left to the token
         budget, as without warmup.
+        sampling: also capture, for the trees each batch size runs first, the graphs of steps with
+        sampling rows (temperature > 0, an OpenAI client's default), which are graphs of their own:
+        without them the first sampled requests capture them mid-run.
         """
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (or None for every batch bucket), got {max_batch}")
@@ -316,7 +319,7 @@ class LLMEngine:
             fixed = [b for b in buckets if self._fits_warmup(b, self.scheduler.tree_for(b))]
             for bucket in fixed:
                 step.capture(self._device_tree(self.scheduler.tree_for(bucket)), bucket)
-            self._capture_mixed(fixed, lambda bucket: [self.scheduler.tree_for(bucket)])
+            self._capture_mixed(fixed, lambda bucket: [self.scheduler.tree_for(bucket)], sampling)
             return {b: self.scheduler.tree_for(b).label for b in buckets}
         for bucket in buckets:
             for tree in self.scheduler.trees:
@@ -340,7 +343,7 @@ class LLMEngine:
 
         self.scheduler.policy = measured
         timed = [b for b in buckets if b in self.policy.step_cost]  # the trees each will run first
-        self._capture_mixed(timed, lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]])))
+        self._capture_mixed(timed, lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]])), sampling)
         return {b: self.policy.choose(b).label for b in buckets}
 
     def _fits_warmup(self, bucket: int, tree: TreeSpec) -> bool:
@@ -348,19 +351,24 @@ class LLMEngine:
         bucket x nodes stays within max_graph_tokens (larger ones would cost warmup more than they return)."""
         return tree.num_nodes == 1 or bucket * tree.num_nodes <= self.config.max_graph_tokens
 
-    def _capture_mixed(self, buckets: list[int], trees) -> None:
+    def _capture_mixed(self, buckets: list[int], trees, sampling: bool = False) -> None:
         """Capture, for each batch bucket, the decode graphs of `trees(bucket)` carrying each prompt token
         bucket a mixed step may carry: captured at first use, a level's first requests would wait for
-        dozens of captures (session 11, the default model at 32 requests: 19,819 tok/s, then 32,018)."""
+        dozens of captures (session 11, the default model at 32 requests: 19,819 tok/s, then 32,018).
+        With `sampling`, their sampling variants too, with and without prompts (the greedy steps without
+        prompts are captured already, where warmup timed or captured its trees)."""
         prefill = self.runner.prefill
         sizes = [b for b in prefill.buckets if b <= self.mixed_prompt_tokens]
         step = self.runner.decode
         for bucket in buckets:
             for tree in trees(bucket):
                 propose = self.policy.proposes(bucket, tree)
-                for size in sizes:
-                    step.capture(self._device_tree(tree), bucket, propose=propose,
-                                 prompts=prefill.static_segment(size))
+                shapes = [(False, size) for size in sizes]
+                if sampling:
+                    shapes += [(True, 0)] + [(True, size) for size in sizes]
+                for sampled, size in shapes:
+                    step.capture(self._device_tree(tree), bucket, sampling=sampled, propose=propose,
+                                 prompts=prefill.static_segment(size) if size else None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None or bool(self._first_tokens)

@@ -73,9 +73,10 @@ def _generate(args: argparse.Namespace) -> int:
           file=sys.stderr)
     if model.base.embed_tokens.weight.is_cuda:  # graph captures and kernel compiles stay out of the timing
         if model._on_engine(tree, "auto"):  # one request: batch bucket 1 is all the engine will run
-            model.engine(True).warmup(max_batch=1)
+            sampled = args.temperature > 0  # sampled steps have graphs of their own
+            model.engine(True).warmup(max_batch=1, sampling=sampled)
             if args.compare:
-                model.engine(False).warmup(max_batch=1)
+                model.engine(False).warmup(max_batch=1, sampling=sampled)
         warm = {**options, "max_new_tokens": 2}
         model.generate(inputs, tree=tree, **warm)
         if args.compare:

@@ -58,7 +58,9 @@ class ServerState:
             config = dataclasses.replace(self.engine_config, trees=m.engine_config().trees) if key \
                 else self.engine_config
             llm = LLMEngine(m.base, m.heads if key else None, config, m.tokenizer, sorted(m.eos_token_ids))
-            log.info("engine (speculative=%s): tree per batch bucket %s", key, llm.warmup() or "by token budget")
+            # sampled steps' graphs too: an OpenAI request without a temperature samples at 1
+            trees = llm.warmup(sampling=True)
+            log.info("engine (speculative=%s): tree per batch bucket %s", key, trees or "by token budget")
             self.engines[key] = AsyncLLMEngine(llm)
         return self.engines[key]
 

@@ -135,6 +135,26 @@ def test_graph_engine_with_prompt_lookup_matches_plain_greedy(default_model_dir)
     assert mixed[-1].token_ids == alone
 
 
+def test_warmup_with_sampling_captures_the_sampled_steps_graphs(default_model_dir):
+    """warmup(sampling=True), a server's: a sampled request's steps on the tree warmup chose replay graphs
+    captured already (a trial of another tree may still capture its own)."""
+    model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
+    engine = model.engine()
+    chosen = engine.warmup(max_batch=1, sampling=True)
+    step = engine.runner.decode
+    assert any(key[0] == 1 and key[2] for key in step._graphs)  # (bucket, tree, sampling, ...)
+    captured, capture = [], step._capture
+
+    def recording(tree, padded, sampling, propose, prompts, **bound):
+        captured.append((tree.spec.label, sampling))
+        return capture(tree, padded, sampling, propose, prompts, **bound)
+
+    step._capture = recording
+    prompt = model.encode([{"role": "user", "content": "Write a haiku about the sea."}])
+    out = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.8, seed=3))[0]
+    assert len(out.token_ids) > 0 and (chosen[1], True) not in captured
+
+
 def test_warmup_of_one_batch_bucket_serves_any_batch(default_model_dir):
     """warmup(max_batch=1), as `medusa generate` runs it: only bucket 1 is timed and captured; a larger
     batch later captures its graphs at first use and still gives plain greedy's tokens."""

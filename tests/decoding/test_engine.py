@@ -303,6 +303,29 @@ def test_prompts_admitted_together_start_as_they_would_alone(tiny):
         assert t.token_ids == a.token_ids
 
 
+def test_warmup_captures_sampled_steps_graphs_when_asked(tiny, monkeypatch):
+    """The graph calls warmup makes, on a CPU standing in for a GPU: with sampling=True, every (batch bucket,
+    tree) whose greedy graphs it captures for prompt chunks also gets its sampled graphs, with and without
+    prompt chunks (a server's requests sample by default: those graphs would be captured mid-run)."""
+    model, heads = tiny
+    captured = {}
+    for sampling in (False, True):
+        engine = make_engine(model, heads, max_num_seqs=4, max_num_batched_tokens=64)
+        step, calls = engine.runner.decode, []
+        monkeypatch.setattr(step, "use_graphs", True)
+        monkeypatch.setattr(engine.runner.prefill, "capture_all", lambda: None)
+        monkeypatch.setattr(step, "time_step", lambda tree, padded, *args, **kwargs: 1e-4 * (10 + tree.num_nodes))
+        monkeypatch.setattr(step, "capture", lambda tree, padded, sampling=False, propose=True, prompts=None:
+                            calls.append((padded, tree.spec.label, sampling, prompts.num_tokens if prompts else 0)))
+        chosen = engine.warmup(sampling=sampling)
+        captured[sampling] = calls
+    greedy, both = set(captured[False]), set(captured[True])
+    assert greedy and all(not sampled and tokens > 0 for _, _, sampled, tokens in greedy)  # the mixed graphs
+    assert set(chosen) == {b for b, _, _, _ in greedy}  # every timed bucket
+    assert both == greedy | {(b, t, True, n) for b, t, _, n in greedy} | {(b, t, True, 0) for b, t, _, _ in greedy}
+    assert len(captured[True]) == len(both)  # each graph once
+
+
 def test_warmup_rejects_a_batch_limit_below_one(tiny):
     model, heads = tiny
     engine = make_engine(model, heads)
