@@ -2,6 +2,7 @@
 
     python benchmarks/stalls.py --out out/stalls                                  # GPU: default model, 32 and 64
     python benchmarks/stalls.py --concurrency 64 --repeats 5 --prompt-lookup 4 --out out/stalls
+    python benchmarks/stalls.py --temperature 0.7 --out out/stalls-sampled     # sampled requests
 
 Each level runs --repeats times per mode (plain, then Medusa, alternating, one engine each, as in
 throughput.py) with every engine step recorded (`step_trace.py`) and, as they happen, every Triton compile,
@@ -57,6 +58,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-lookup", type=int, default=None, help="lookup nodes (default: the library's)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (seeded per request); warmup then captures sampled steps too")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("stalls.py measures the GPU engine's hot path: it needs a CUDA device")
@@ -75,14 +78,16 @@ def main() -> None:
         for mode, heads in (("plain", None), ("medusa", model.heads)):
             start = time.perf_counter()
             engine = LLMEngine(model.base, heads, config, model.tokenizer, eos)
-            engine.warmup()
+            engine.warmup(sampling=args.temperature > 0)
             run_level(engine, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), 1)
             engines[mode] = engine
             print(json.dumps({"mode": mode, "warmup_s": time.perf_counter() - start,
                               "warmup_stalls": stalls_summary(log.take())}), flush=True)
-        params = SamplingParams(max_tokens=args.max_tokens)
+        sampled = dict(temperature=args.temperature) if args.temperature > 0 else {}
         for c in args.concurrency:
             level = [prompts[i % len(prompts)] for i in range(8 * c)]
+            params = [SamplingParams(max_tokens=args.max_tokens, seed=i if sampled else None, **sampled)
+                      for i in range(len(level))]
             for rep in range(args.repeats):
                 for mode, engine in engines.items():
                     memory = torch.cuda.memory_stats()
