@@ -343,7 +343,8 @@ class LLMEngine:
 
         self.scheduler.policy = measured
         timed = [b for b in buckets if b in self.policy.step_cost]  # the trees each will run first
-        self._capture_mixed(timed, lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]])), sampling)
+        first_trees = lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]]))  # noqa: E731
+        self._capture_mixed(timed, first_trees, sampling)
         return {b: self.policy.choose(b).label for b in buckets}
 
     def _fits_warmup(self, bucket: int, tree: TreeSpec) -> bool:
