@@ -29,15 +29,8 @@ from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import SchedulerConfig
 from stall_log import StallLog, stalls_summary
-from step_trace import StepTrace
+from step_trace import StepTrace, step_kind
 from throughput import default_model, run_level
-
-
-def step_kind(step: dict) -> str:
-    """A trace step's kind: prefill (a prompt forward alone), plain or tree-N decode, +prompts (carried in the
-    decode graph), +prefill (a prompt forward of its own beside it)."""
-    kind = "prefill" if not step["rows"] else ("plain" if step["nodes"] == 1 else f"tree-{step['nodes']}")
-    return kind + ("+prompts" if step["carried"] else "") + ("+prefill" if step["rows"] and step["prefilled"] else "")
 
 
 def kinds_summary(steps: list[dict]) -> dict:

@@ -66,10 +66,7 @@ class StepTrace:
         if self.engine.overlap:  # the last step's own time was never waited for: it gets its predecessor's
             times = times[1:] + times[-1:]
         for s, ms in zip(self.steps, times):
-            kind = "prefill" if not s["rows"] else ("plain" if s["nodes"] == 1 else f"tree-{s['nodes']}")
-            kind += "+prompts" if s["carried"] else ""
-            kind += "+prefill" if s["rows"] and s["prefilled"] else ""
-            k = kinds[kind]
+            k = kinds[step_kind(s)]
             k["steps"] += 1
             k["ms"] += ms
             k["rows"] += s["rows"]
@@ -80,3 +77,10 @@ class StepTrace:
         tenth = max(1, len(decodes) // 10)
         deciles = [sum(decodes[i:i + tenth]) / len(decodes[i:i + tenth]) for i in range(0, len(decodes), tenth)]
         return {"kinds": dict(kinds), "decode_rows_by_tenth": deciles}
+
+
+def step_kind(step: dict) -> str:
+    """A recorded step's kind: prefill (a prompt forward alone), plain or tree-N decode, +prompts (carried in the
+    decode graph), +prefill (a prompt forward of its own beside it)."""
+    kind = "prefill" if not step["rows"] else ("plain" if step["nodes"] == 1 else f"tree-{step['nodes']}")
+    return kind + ("+prompts" if step["carried"] else "") + ("+prefill" if step["rows"] and step["prefilled"] else "")

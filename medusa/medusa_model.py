@@ -62,7 +62,8 @@ class GenerationStream:
 # Prompt-lookup nodes in speculative trees on a GPU unless the caller says otherwise: on the H200, 4 took
 # the shipped heads from 1.78 to 2.82 tokens per step on all of Spec-Bench (1.48x -> 2.33x; RESULTS.md,
 # E4), and with 16-token steps 8 took them from 2.97 to 3.46 tokens on 65 questions (1.81x -> 2.07x its
-# plain decoding; 6: 1.97x, 12: 2.08x) and to 3.30 tokens, 2.00x, on all 480 (RESULTS.md, session 20).
+# plain decoding; 6: 1.97x, 12: 2.08x) and to 3.30 tokens, 1.995x, on all 480 (RESULTS.md, session 20; 3.15
+# tokens, 1.93x, in session 21's lease, whose policy ran the 12-token tree most).
 # On a CPU every tree node costs about a token's compute, and the chain made a general chat prompt
 # slower (0.85x -> 0.61x on 2 cores): none there by default.
 DEFAULT_PROMPT_LOOKUP = 8

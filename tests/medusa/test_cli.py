@@ -24,3 +24,14 @@ def test_generate_rejects_an_unknown_dtype(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "hi", "--dtype", "float8"])
     assert "invalid choice: 'float8'" in capsys.readouterr().err
+
+
+def test_help_texts_give_the_library_default_prompt_lookup(capsys):
+    """The CLI spells the default out (importing the model to read it would slow `--help`): it must follow
+    DEFAULT_PROMPT_LOOKUP (it said 4 after the default became 8)."""
+    from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP
+
+    for command in ("generate", "serve"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert f"{DEFAULT_PROMPT_LOOKUP} on a GPU, 0 on a CPU" in " ".join(capsys.readouterr().out.split()), command
