@@ -58,6 +58,9 @@ from medusa.heads import MedusaHeads
 from medusa.model import DecoderModel
 from medusa.tree import MAX_NODES, TreeSpec
 
+# warmup times each bucket's trees in this many interleaved rounds and keeps each tree's fastest
+TIMING_ROUNDS = 3
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -322,21 +325,9 @@ class LLMEngine:
             self._capture_mixed(fixed, lambda bucket: [self.scheduler.tree_for(bucket)], sampling)
             return {b: self.scheduler.tree_for(b).label for b in buckets}
         for bucket in buckets:
-            for tree in self.scheduler.trees:
-                if not self._fits_warmup(bucket, tree):
-                    continue
-                if self.policy.add_prior(tree, accuracies):
-                    # a plain step that stays plain skips the heads: that is its cost. The variant
-                    # with heads (a trial's, the step before a revisit, or plain decoding's re-timing
-                    # step amid speculation) is captured and timed now, not mid-run: the policy
-                    # charges those steps without the heads' part
-                    plain = tree.num_nodes == 1
-                    seconds = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks,
-                                             propose=not plain)
-                    self.policy.add_cost(bucket, tree, seconds)
-                    if plain:
-                        with_heads = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks)
-                        self.policy.add_heads_cost(bucket, with_heads - seconds)
+            self._time_trees(bucket, [tree for tree in self.scheduler.trees
+                                      if self._fits_warmup(bucket, tree) and self.policy.add_prior(tree, accuracies)],
+                             context)
         def measured(num_decoding: int) -> TreeSpec | None:  # None past max_batch: nothing was timed there
             bucket = step.bucket(num_decoding)
             return self.policy.choose(bucket) if bucket in self.policy.step_cost else None
@@ -346,6 +337,30 @@ class LLMEngine:
         first_trees = lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]]))  # noqa: E731
         self._capture_mixed(timed, first_trees, sampling)
         return {b: self.policy.choose(b).label for b in buckets}
+
+    def _time_trees(self, bucket: int, trees: list[TreeSpec], context: int) -> None:
+        """Give the policy each tree's graph-timed step at this bucket: the fastest of TIMING_ROUNDS rounds
+        that time every tree in turn, so a drift of the GPU's speed lands on all of them (timed one after
+        the other, two trees of one tensor-core tile came out 1% apart in one lease and 10% in another).
+
+        A plain step that stays plain skips the heads: that is its cost. The variant with heads (a trial's,
+        the step before a revisit, or plain decoding's re-timing step amid speculation) is captured and timed
+        now, not mid-run: the policy charges those steps without the heads' part."""
+        step, fastest = self.runner.decode, {}
+        for _ in range(TIMING_ROUNDS):
+            for tree in trees:
+                plain = tree.num_nodes == 1
+                variants = (False, True) if plain else (True,)  # proposing or not
+                for propose in variants:
+                    seconds = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks,
+                                             propose=propose)
+                    fastest[tree, propose] = min(fastest.get((tree, propose), seconds), seconds)
+        for tree in trees:
+            if tree.num_nodes == 1:
+                self.policy.add_cost(bucket, tree, fastest[tree, False])
+                self.policy.add_heads_cost(bucket, fastest[tree, True] - fastest[tree, False])
+            else:
+                self.policy.add_cost(bucket, tree, fastest[tree, True])
 
     def _fits_warmup(self, bucket: int, tree: TreeSpec) -> bool:
         """Whether warmup captures (and times) `tree` at this batch bucket: plain steps always, trees while

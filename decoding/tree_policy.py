@@ -32,6 +32,16 @@ yet run at that size is charged its graph time plus the host time measured
 there for trees of its kind (else for any tree: a plain step's host time is a
 floor for every step's).
 
+Speculative trees are all charged so, run or not: their graph time plus the host time of the
+speculative steps at that size, each tree's (wall - graph) weighted by the steps it ran. Trees
+other than the decided one are wall-timed only in trials and revisits, a few steps at a time and at
+other contexts than the decided tree's steps, so their own medians compare badly with its: at one
+request on an H200 the 12- and 16-token trees, one tensor-core tile and 0.750 / 0.743 ms as graphs,
+were charged 0.739 and 0.779 ms (session 21), which made them tie in tokens per ms and the choice
+between them a coin toss per lease (the 16-token one made 3% more tokens a ms end to end). Charged
+from one pooled host time, trees differ by what warmup timed side by side. The plain step keeps its
+own wall time: it is the only tree of its kind.
+
 Each batch size tries its best tree, every other tree whose score is within
 TRIAL_BAND of it, and the plain step for a few steps each, then runs the one
 with the most tokens per second. Near the best, priors cannot rank trees: on an
@@ -252,12 +262,12 @@ class TreePolicy:
         """Refresh the host time charged to untried trees here and decision[bucket]: the best tree
         once it and plain have run their trials (none while either is untried)."""
         graph = self.step_cost[bucket]
-        extra = [(tree.num_nodes > 1, wall.seconds - graph[tree]) for tree, wall in self.wall[bucket].items()
-                 if wall.steps >= TRIAL_STEPS and tree in graph]  # (speculative, host seconds) per tried tree
-        for kind in (False, True, None):
-            seconds = [host for speculative, host in extra if kind in (None, speculative)]
-            if seconds:
-                self._host[bucket, kind] = sum(seconds) / len(seconds)
+        extra = [(tree.num_nodes > 1, wall.steps, wall.seconds - graph[tree]) for tree, wall
+                 in self.wall[bucket].items() if wall.steps >= TRIAL_STEPS and tree in graph]
+        for kind in (False, True, None):  # (speculative, steps, host seconds) per tried tree
+            rows = [(steps, host) for speculative, steps, host in extra if kind in (None, speculative)]
+            if rows:  # weighted by steps: the decided tree's many steps say most about the host now
+                self._host[bucket, kind] = sum(s * host for s, host in rows) / sum(s for s, _ in rows)
         best = self._best(bucket)
         if (self._tried(bucket, best) and self._tried(bucket, self.plain[bucket])
                 and not self._untried_near_best(bucket, best)):
@@ -266,9 +276,10 @@ class TreePolicy:
             self.decision.pop(bucket, None)
 
     def cost(self, bucket: int, tree: TreeSpec) -> float:
-        """Seconds per step: measured wall time once tried, else graph time plus the host time
-        measured here for trees of its kind, else for any tree (0 before any)."""
-        if self._tried(bucket, tree):
+        """Seconds per step: the plain step's measured wall time once tried; else (and for every
+        speculative tree) graph time plus the host time measured here for trees of its kind, else
+        for any tree (0 before any)."""
+        if tree.num_nodes == 1 and self._tried(bucket, tree):
             return self.wall[bucket][tree].seconds
         host = self._host.get((bucket, tree.num_nodes > 1), self._host.get((bucket, None), 0.0))
         return self.step_cost[bucket][tree] + host

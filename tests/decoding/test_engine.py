@@ -326,6 +326,35 @@ def test_warmup_captures_sampled_steps_graphs_when_asked(tiny, monkeypatch):
     assert len(captured[True]) == len(both)  # each graph once
 
 
+def test_warmup_times_each_buckets_trees_in_interleaved_rounds_and_keeps_the_fastest(tiny, monkeypatch):
+    """Timed once each, one after the other, a drift of the GPU's speed lands on some trees only; each
+    tree's first timing here comes out slow, and the policy must see its fastest round."""
+    from medusa.decoding.engine import TIMING_ROUNDS
+
+    model, heads = tiny
+    engine = make_engine(model, heads, max_num_seqs=1)
+    step, calls = engine.runner.decode, []
+    monkeypatch.setattr(step, "use_graphs", True)
+    monkeypatch.setattr(engine.runner.prefill, "capture_all", lambda: None)
+    monkeypatch.setattr(step, "capture", lambda *args, **kwargs: None)
+    base = lambda tree, propose: 1e-4 * (10 + tree.spec.num_nodes) + (2e-4 if propose else 0.0)  # noqa: E731
+
+    def time_step(tree, padded, context, num_blocks, repeats=5, propose=True):
+        slow = (tree.spec.label, propose) not in [c[1:] for c in calls]
+        calls.append((padded, tree.spec.label, propose))
+        return base(tree, propose) + (1e-3 if slow else 0.0)
+
+    monkeypatch.setattr(step, "time_step", time_step)
+    engine.warmup()
+    trees = engine.scheduler.trees
+    one_round = [(1, t.label, p) for t in trees for p in ((False, True) if t.num_nodes == 1 else (True,))]
+    assert calls == one_round * TIMING_ROUNDS and TIMING_ROUNDS >= 2
+    policy = engine.policy
+    for tree in trees:
+        assert policy.step_cost[1][tree] == base(engine._device_tree(tree), tree.num_nodes > 1)
+    assert abs(policy.heads_cost[1] - 2e-4) < 1e-12
+
+
 def test_warmup_rejects_a_batch_limit_below_one(tiny):
     model, heads = tiny
     engine = make_engine(model, heads)

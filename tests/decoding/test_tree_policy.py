@@ -117,6 +117,23 @@ def test_measured_wall_time_keeps_speculation_only_where_it_beats_plain_on_the_c
     assert engine.scheduler.tree_for(1) is trees[64]  # 2.5 / 1.3 beats 1 / 1.2
 
 
+def test_speculative_trees_are_charged_their_graph_time_plus_one_pooled_host_time():
+    """Session 21, one request on an H200: two trees of one tile (0.750 / 0.743 ms as graphs) were charged
+    their own wall medians, the decided one's from long contexts, the other's from a few revisit steps, and
+    the smaller tree won on a cost difference the graphs did not show. Both now pay the pooled host time."""
+    engine, trees = engine_with_costs({1: {1: 0.5, 4: 0.75, 8: 0.75}}, {1: 1.0, 4: 2.0, 8: 2.1})
+    policy = engine.policy
+    timed(policy, 1, trees[1], 0.5)
+    for _ in range(100):
+        policy.observe_step(1, trees[8], 0.80)  # the decided tree: 50 us of host time a step
+    timed(policy, 1, trees[4], 0.70)  # a revisit's few steps, at short contexts: 50 us under its graph
+    host = (100 * 0.05 - TRIAL_STEPS * 0.05) / (100 + TRIAL_STEPS)
+    assert abs(policy.cost(1, trees[4]) - (0.75 + host)) < 1e-12
+    assert policy.cost(1, trees[4]) == policy.cost(1, trees[8])
+    assert engine.scheduler.tree_for(1) is trees[8]  # own medians would charge 0.70 against 0.80: 2.86 > 2.63
+    assert policy.cost(1, trees[1]) == 0.5  # plain decoding keeps its own wall time
+
+
 def test_one_slow_step_does_not_hand_a_batch_size_to_a_slower_tree():
     engine, trees = engine_with_costs({1: {1: 1.0, 4: 1.05}}, {1: 1.0, 4: 1.6})
     policy = engine.policy
