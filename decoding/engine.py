@@ -378,13 +378,19 @@ class LLMEngine:
         step = self.runner.decode
         for bucket in buckets:
             for tree in trees(bucket):
-                propose = self.policy.proposes(bucket, tree)
+                proposals = [self.policy.proposes(bucket, tree)]
+                if tree.num_nodes == 1 and bucket in self.policy.step_cost:
+                    # a timed bucket's plain steps run the heads while it may speculate, not once it settles
+                    # on plain decoding: two graphs of each shape (a GPU test caught the second one captured
+                    # by a sampled request's first steps)
+                    proposals = [True, False]
                 shapes = [(False, size) for size in sizes]
                 if sampling:
                     shapes += [(True, 0)] + [(True, size) for size in sizes]
-                for sampled, size in shapes:
-                    step.capture(self._device_tree(tree), bucket, sampling=sampled, propose=propose,
-                                 prompts=prefill.static_segment(size) if size else None)
+                for propose in proposals:
+                    for sampled, size in shapes:
+                        step.capture(self._device_tree(tree), bucket, sampling=sampled, propose=propose,
+                                     prompts=prefill.static_segment(size) if size else None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None or bool(self._first_tokens)

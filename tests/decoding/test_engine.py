@@ -316,14 +316,19 @@ def test_warmup_captures_sampled_steps_graphs_when_asked(tiny, monkeypatch):
         monkeypatch.setattr(engine.runner.prefill, "capture_all", lambda: None)
         monkeypatch.setattr(step, "time_step", lambda tree, padded, *args, **kwargs: 1e-4 * (10 + tree.num_nodes))
         monkeypatch.setattr(step, "capture", lambda tree, padded, sampling=False, propose=True, prompts=None:
-                            calls.append((padded, tree.spec.label, sampling, prompts.num_tokens if prompts else 0)))
+                            calls.append((padded, tree.spec.label, sampling, prompts.num_tokens if prompts else 0,
+                                          propose or tree.num_nodes > 1)))
         chosen = engine.warmup(sampling=sampling)
         captured[sampling] = calls
     greedy, both = set(captured[False]), set(captured[True])
-    assert greedy and all(not sampled and tokens > 0 for _, _, sampled, tokens in greedy)  # the mixed graphs
-    assert set(chosen) == {b for b, _, _, _ in greedy}  # every timed bucket
-    assert both == greedy | {(b, t, True, n) for b, t, _, n in greedy} | {(b, t, True, 0) for b, t, _, _ in greedy}
+    assert greedy and all(not sampled and tokens > 0 for _, _, sampled, tokens, _ in greedy)  # the mixed graphs
+    assert set(chosen) == {b for b, *_ in greedy}  # every timed bucket
+    assert both == (greedy | {(b, t, True, n, p) for b, t, _, n, p in greedy}
+                    | {(b, t, True, 0, p) for b, t, _, _, p in greedy})
     assert len(captured[True]) == len(both)  # each graph once
+    # plain steps run the heads until a bucket settles on plain decoding, then not: both graphs of each shape
+    plain = engine.policy.plain[1].label
+    assert {p for b, t, *_, p in both if b == 1 and t == plain} == {True, False}
 
 
 def test_warmup_times_each_buckets_trees_in_interleaved_rounds_and_keeps_the_fastest(tiny, monkeypatch):
