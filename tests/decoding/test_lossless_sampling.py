@@ -102,3 +102,24 @@ def test_typical_acceptance_is_detectably_lossy(tiny):
     counts, _ = draw(model, heads, sampling, AcceptanceConfig(rule="typical", posterior_threshold=0.3,
                                                               posterior_alpha=0.3), 2000)
     assert chi_square_pvalue(counts, joint) < 1e-6
+
+
+def test_seeded_uniforms_depend_on_seed_and_position_only_and_are_uniform():
+    """A seeded request's uniform for output p: the same whichever positions are asked for together, in
+    whatever order; another seed gives another stream; 200k draws fill [0, 1) evenly, with no correlation
+    between neighbouring positions or neighbouring seeds."""
+    import numpy as np
+
+    from medusa.decoding.sampler import seeded_uniforms
+
+    stream = seeded_uniforms(11, np.arange(200_000))
+    assert stream.dtype == np.float64 and 0.0 <= stream.min() and stream.max() < 1.0
+    assert np.array_equal(seeded_uniforms(11, np.array([7, 3, 150_000])), stream[[7, 3, 150_000]])
+    assert not np.array_equal(seeded_uniforms(12, np.arange(100)), stream[:100])
+    assert np.array_equal(seeded_uniforms(-1, np.arange(5)), seeded_uniforms(2 ** 64 - 1, np.arange(5)))
+    counts = np.bincount((stream * 20).astype(int), minlength=20)
+    chi2 = ((counts - 10_000) ** 2 / 10_000).sum()
+    assert chi2 < 45  # 19 degrees of freedom: p < 0.001 above 43.8
+    assert abs(np.corrcoef(stream[:-1], stream[1:])[0, 1]) < 0.01
+    seeds = np.array([seeded_uniforms(s, np.array([0]))[0] for s in range(20_000)])
+    assert abs(np.corrcoef(seeds[:-1], seeds[1:])[0, 1]) < 0.03 and abs(seeds.mean() - 0.5) < 0.01
