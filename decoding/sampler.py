@@ -78,7 +78,7 @@ class TokenSampler:
     @staticmethod
     def uniforms(seed: int, positions: torch.Tensor) -> torch.Tensor:
         """[N] float64: the uniform behind output position p's draw, a function of (seed, p) only."""
-        return torch.from_numpy(seeded_uniforms(seed, positions.numpy()))
+        return torch.from_numpy(seeded_uniforms(seed, positions.cpu().numpy()))  # positions may be on the GPU
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment: 2^64 / the golden ratio
