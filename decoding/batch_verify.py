@@ -63,21 +63,24 @@ def compaction_slots(tree: DeviceTree, slots: torch.Tensor, best: torch.Tensor) 
 
 
 def sampled_targets(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    uniforms: torch.Tensor) -> torch.Tensor:
+                    uniforms: torch.Tensor, filtered: bool = True) -> torch.Tensor:
     """Each node's target drawn from its row's processed distribution by inverse CDF.
 
     logits [B, N, V]; temperature, top_p [B] float; top_k [B] long (0 = off);
     uniforms [B, N] float64 in [0, 1). Row by row this is exactly
     `sampler.target_probs` followed by the seeded `TokenSampler` draw, so a
     seeded request gets the same tokens here as on the host path.
+    filtered=False: no row has top-k or top-p (the caller knows), so their two sorts are skipped;
+    the draws are the same bit for bit.
     """
     vocab = logits.shape[-1]
     scaled = logits.float() / temperature[:, None, None]
-    ordered = scaled.sort(dim=-1, descending=True).values
-    use_k = (top_k > 0) & (top_k < vocab)
-    kth = ordered.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None, None].expand(-1, scaled.shape[1], 1))
-    scaled = scaled.masked_fill(use_k[:, None, None] & (scaled < kth), float("-inf"))
-    scaled = _top_p_rows(scaled, top_p)
+    if filtered:
+        ordered = scaled.sort(dim=-1, descending=True).values
+        use_k = (top_k > 0) & (top_k < vocab)
+        kth = ordered.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None, None].expand(-1, scaled.shape[1], 1))
+        scaled = scaled.masked_fill(use_k[:, None, None] & (scaled < kth), float("-inf"))
+        scaled = _top_p_rows(scaled, top_p)
     probs = torch.softmax(scaled, dim=-1)
     cdf = probs.double().cumsum(-1)  # [B, N, V]
     tokens = torch.searchsorted(cdf, (uniforms * cdf[..., -1])[..., None]).squeeze(-1)

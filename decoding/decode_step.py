@@ -49,6 +49,12 @@ from medusa.kernels.tree_placement import place_tree
 from medusa.model import DecoderModel
 
 
+# A step's sampling kind, part of its graphs' key: no sampling rows; rows drawn at a temperature only (an
+# OpenAI request's default); some row also filtered by top-k or top-p, which sorts each node's logits (two
+# sorts of [rows x nodes, vocab]: on the GPU they cost a sampled step more than the rest of its sampling)
+GREEDY, SAMPLED, FILTERED = 0, 1, 2
+
+
 @dataclass(frozen=True)
 class RowSampling:
     """A sampling row's settings for one step; uniforms [D + 1] are those of output
@@ -58,6 +64,10 @@ class RowSampling:
     top_k: int
     top_p: float
     uniforms: np.ndarray  # [M + D + 1]: from the host's output count on, M the tokens of steps in flight
+
+    @property
+    def filters(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1
 
 
 @dataclass
@@ -137,7 +147,7 @@ class DecodeStep:
         self.top_p = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
         # [B, M + D + 1 ...] from the host's output count on; a row's step picks its window at the device's
         self.uniforms = torch.zeros(max_seqs, 2 * max_tree, dtype=torch.float64, device=self.device)
-        self.sampling_step = False  # whether the prepared step has sampling rows (its own graphs)
+        self.sampling_step = GREEDY  # the prepared step's sampling kind (graphs of their own)
         self.propose_step = True  # whether the prepared step runs the heads for the next one
         self.kv_bound: int | None = None  # the prepared step's max_kv_len (`kv_len_bound`)
         self.prompts: PromptSegment | None = None  # prompt chunks the prepared step's forward carries
@@ -257,8 +267,9 @@ class DecodeStep:
         return padded
 
     def _prepare_sampling(self, sampling: list[RowSampling | None], padded: int) -> None:
-        self.sampling_step = any(r is not None for r in sampling)
-        if not self.sampling_step:
+        drawn = [r for r in sampling if r is not None]
+        self.sampling_step = FILTERED if any(r.filters for r in drawn) else SAMPLED if drawn else GREEDY
+        if not drawn:
             return
         rows = sampling + [None] * (padded - len(sampling))
         upload(self.sampled, np.array([r is not None for r in rows]))
@@ -280,10 +291,10 @@ class DecodeStep:
         """The padded batch size a step of `batch` sequences runs at."""
         return next(x for x in self.buckets if x >= batch) if self.use_graphs else batch
 
-    def capture(self, tree: DeviceTree, padded: int, sampling: bool = False, propose: bool = True,
+    def capture(self, tree: DeviceTree, padded: int, sampling: int = GREEDY, propose: bool = True,
                 prompts: PromptSegment | None = None) -> None:
-        """Capture this bucket's graphs (carrying `prompts`' token bucket) now rather than at first use
-        (no-op without graphs)."""
+        """Capture this bucket's graphs (carrying `prompts`' token bucket; `sampling`: the step's sampling kind,
+        True meaning SAMPLED) now rather than at first use (no-op without graphs)."""
         if self.use_graphs:
             self._graph(tree, padded, sampling, propose, prompts)
 
@@ -347,7 +358,7 @@ class DecodeStep:
 
     # ---- the two parts ----------------------------------------------------
 
-    def _part1(self, tree: DeviceTree, padded: int, sampling: bool, prompts: PromptSegment | None = None,
+    def _part1(self, tree: DeviceTree, padded: int, sampling: int, prompts: PromptSegment | None = None,
                kv_bound: int | None = None) -> _Part1:
         n = tree.num_nodes
         rows = self.rows[:padded]
@@ -374,7 +385,7 @@ class DecodeStep:
             window = (base - self.known_base[:padded])[:, None] + tree.depths[None]  # [Bp, N]
             uniforms = self.uniforms[:padded].gather(1, window.clamp(max=self.uniforms.shape[1] - 1))
             drawn = sampled_targets(logits.view(padded, n, -1), self.temperature[:padded], self.top_k[:padded],
-                                    self.top_p[:padded], uniforms)
+                                    self.top_p[:padded], uniforms, filtered=sampling == FILTERED)
             targets = torch.where(self.sampled[:padded, None], drawn, targets)
         verdict(tree, candidates, targets, self.best[:padded], self.next[:padded])
         return _Part1(candidates, hidden, logits, prompt_hidden)
@@ -395,7 +406,7 @@ class DecodeStep:
 
     # ---- CUDA graphs ------------------------------------------------------
 
-    def _graph(self, tree: DeviceTree, padded: int, sampling: bool, propose: bool = True,
+    def _graph(self, tree: DeviceTree, padded: int, sampling: int, propose: bool = True,
                prompts: PromptSegment | None = None, kv_bound: int | None = None) -> dict:
         """The graphs of one key, captured at first use; a graph of the tables' width also captures its
         short-context sibling (`kv_len_bound`) if it has one, so that warmup leaves none for the hot path."""
@@ -422,7 +433,7 @@ class DecodeStep:
         return (padded, tree.spec, prompt_tokens) in self._shapes
 
     @torch.inference_mode()
-    def _capture(self, tree: DeviceTree, padded: int, sampling: bool, propose: bool,
+    def _capture(self, tree: DeviceTree, padded: int, sampling: int, propose: bool,
                  prompts: PromptSegment | None, kv_bound: int | None = None) -> dict:
         """Warm up on an all-padding batch (touches only the scratch slot and padding row, and no
         prompt token's KV), then capture."""

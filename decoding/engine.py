@@ -41,7 +41,7 @@ import torch
 
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
-from medusa.decoding.decode_step import RowSampling
+from medusa.decoding.decode_step import GREEDY, SAMPLED, RowSampling
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, to_device
 from medusa.decoding.logits_processing import penalize, suppress_eos
@@ -384,9 +384,9 @@ class LLMEngine:
                     # on plain decoding: two graphs of each shape (a GPU test caught the second one captured
                     # by a sampled request's first steps)
                     proposals = [True, False]
-                shapes = [(False, size) for size in sizes]
-                if sampling:
-                    shapes += [(True, 0)] + [(True, size) for size in sizes]
+                shapes = [(GREEDY, size) for size in sizes]
+                if sampling:  # temperature-only rows: a request filtering by top-k/top-p captures its own
+                    shapes += [(SAMPLED, 0)] + [(SAMPLED, size) for size in sizes]
                 for propose in proposals:
                     for sampled, size in shapes:
                         step.capture(self._device_tree(tree), bucket, sampling=sampled, propose=propose,

@@ -1,5 +1,6 @@
 """Batched device-side verification against the batch-1 verifier, row by row, on random trees and logits."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -8,6 +9,7 @@ from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.sampler import SamplingConfig
 from medusa.decoding.verifier import AcceptanceConfig, verify
 from medusa.tree import TreeSpec
+from tiny_models import tiny_decoder
 
 
 @pytest.mark.parametrize("name,lookup", [("single", 0), ("tree-4", 0), ("tree-16", 0), ("tree-64", 0),
@@ -86,6 +88,44 @@ def test_batched_sampling_equals_the_host_sampler_row_by_row():
     for b, config in enumerate(configs):
         want = TokenSampler(100 + b)(target_probs(logits[b], config), positions)
         assert got[b].tolist() == want.tolist(), b
+
+
+def test_sampling_without_filters_skips_the_sorts_and_draws_the_same_tokens():
+    """A step whose rows only set a temperature runs sampled_targets(filtered=False): no sort of the
+    vocabulary, and the same draws as the full path and as the host sampler."""
+    from unittest import mock
+
+    from medusa.decoding.batch_verify import sampled_targets
+    from medusa.decoding.sampler import TokenSampler, target_probs
+
+    g = torch.Generator().manual_seed(4)
+    batch, n, vocab = 4, 6, 300
+    logits = torch.randn(batch, n, vocab, generator=g) * 4
+    temperature = torch.tensor([0.3, 0.7, 1.0, 1.6])
+    positions = torch.arange(n) + 3
+    uniforms = torch.stack([TokenSampler.uniforms(7 + b, positions) for b in range(batch)])
+    args = (logits, temperature, torch.zeros(batch, dtype=torch.long), torch.ones(batch), uniforms)
+    full = sampled_targets(*args)
+    with mock.patch.object(torch.Tensor, "sort", side_effect=AssertionError("sorted")), \
+            mock.patch.object(torch, "sort", side_effect=AssertionError("sorted")):
+        fast = sampled_targets(*args, filtered=False)
+    assert torch.equal(fast, full)
+    for b in range(batch):
+        want = TokenSampler(7 + b)(target_probs(logits[b], SamplingConfig(temperature=float(temperature[b]))), positions)
+        assert fast[b].tolist() == want.tolist(), b
+
+
+def test_a_steps_sampling_kind_follows_its_rows_filters():
+    from medusa.decoding.decode_step import FILTERED, GREEDY, SAMPLED, RowSampling
+    from medusa.decoding.engine import LLMEngine
+
+    model, heads = tiny_decoder(24, logit_scale=3, num_heads=2)
+    step = LLMEngine(model, heads).runner.decode
+    row = lambda top_k=0, top_p=1.0: RowSampling(0.8, top_k, top_p, np.zeros(4))  # noqa: E731
+    for rows, kind in (([None, None], GREEDY), ([None, row()], SAMPLED), ([row(), row(top_p=0.9)], FILTERED),
+                       ([row(top_k=5), None], FILTERED)):
+        step._prepare_sampling(rows, 2)
+        assert step.sampling_step == kind, rows
 
 
 def test_batch_buckets_never_pass_max_num_seqs():
