@@ -341,12 +341,23 @@ def test_a_batch_size_is_settled_on_its_decision_not_on_its_trials_or_revisits()
     assert not policy.settled_on(64, trees[4])
 
 
-def run_policy(engine, trees, costs, real, steps):
+def near_trees():
+    """Stand-ins for an H200's 12- and 36-node trees that do not hold each other (each has a head path
+    the other lacks), so neither's acceptance is counted from the other's steps -> {nodes: tree}."""
+    from medusa.tree import TreeSpec
+
+    small = TreeSpec.from_paths([(0,), (1,), (2,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (9,)], name="small")
+    big = TreeSpec.from_paths([(i,) for i in range(8)] + [(0, j) for j in range(8)] + [(1, j) for j in range(8)]
+                              + [(0, 0, j) for j in range(7)], name="big")
+    return {1: TreeSpec.from_paths([], name="single"), small.num_nodes: small, big.num_nodes: big}
+
+
+def run_policy(policy, trees, costs, real, steps):
     """Steps at one row; each tree accepts `real` tokens a step except the 8-node tree's first
     TRIAL_STEPS steps (an unlucky trial at a request's start: 1.8). -> the trees run, in order."""
-    policy, ran = engine.policy, []
+    ran = []
     for _ in range(steps):
-        tree = engine.scheduler.tree_for(1)
+        tree = policy.choose(1)
         ran.append(tree.num_nodes)
         unlucky = tree.num_nodes == 8 and ran.count(8) <= TRIAL_STEPS
         policy.observe(tree, 1.8 if unlucky else real[tree.num_nodes], 1)
@@ -354,30 +365,60 @@ def run_policy(engine, trees, costs, real, steps):
     return ran
 
 
+def policy_with(trees, costs, prior):
+    from medusa.decoding.tree_policy import TreePolicy
+
+    policy = TreePolicy()
+    for n, seconds in costs[1].items():
+        policy.add_cost(1, trees[n], seconds)
+    policy.prior = {trees[n]: e for n, e in prior.items()}
+    return policy
+
+
 def test_a_near_tree_left_behind_by_an_unlucky_trial_is_revisited_and_takes_over(monkeypatch):
     """Session 17 on an H200 at one request: `searched-8+lookup4`'s five trial steps left it at 2.02
     tokens (2.46 once run), so `searched-32+lookup4` ran at 2.27 tokens per ms against its 2.66 by its
-    measured acceptance and step cost (here
-    the tiny engine's 8- and 32-node trees stand for them). Revisits of near trees every
-    TREE_REVISIT_STEPS steps correct that; without them the decision stays."""
+    measured acceptance and step cost (here two trees of 8 and 32 nodes, neither inside the other,
+    stand for them). Revisits of near trees every TREE_REVISIT_STEPS steps correct that; without them
+    the decision stays."""
     import medusa.decoding.tree_policy as tree_policy
 
     costs = {1: {1: 0.6, 8: 0.92, 32: 1.2}}
     prior, real = {1: 1.0, 8: 2.02, 32: 2.72}, {1: 1.0, 8: 2.46, 32: 2.72}
-    engine, trees = engine_with_costs(costs, prior)
-    ran = run_policy(engine, trees, costs, real, 1000)
+    trees = near_trees()
+    assert sorted(trees) == [1, 8, 32]
+    policy = policy_with(trees, costs, prior)
+    ran = run_policy(policy, trees, costs, real, 1000)
     assert ran[:3 * TRIAL_STEPS] == [32] * TRIAL_STEPS + [8] * TRIAL_STEPS + [1] * TRIAL_STEPS
     first = ran.index(32, 3 * TRIAL_STEPS)
-    assert engine.policy.decision[1] is trees[8]
+    assert policy.decision[1] is trees[8]
     switched = next(i for i in range(first, len(ran)) if ran[i:i + 50] == [8] * 50)
     assert switched < first + 3 * tree_policy.TREE_REVISIT_STEPS
     # revisits are short and rare: after the switch the 32-node tree is not within TRIAL_BAND of the best
     assert ran[switched:].count(8) > 0.95 * len(ran[switched:])
 
     monkeypatch.setattr(tree_policy, "TREE_REVISIT_STEPS", 10 ** 9)  # no revisits: the trial's verdict stands
-    engine, trees = engine_with_costs(costs, prior)
-    ran = run_policy(engine, trees, costs, real, 1000)
-    assert engine.policy.decision[1] is trees[32] and {n for n in ran[-500:] if n > 1} == {32}  # plain: revisits
+    policy = policy_with(trees, costs, prior)
+    ran = run_policy(policy, trees, costs, real, 1000)
+    assert policy.decision[1] is trees[32] and {n for n in ran[-500:] if n > 1} == {32}  # plain: revisits
+
+
+def test_a_tree_inside_the_decided_one_is_not_revisited():
+    """Every step of the decided tree counts what a tree inside it would have emitted, and both are
+    charged graph time plus one pooled host time: a revisit of the smaller tree would learn nothing and
+    run a tree that emits less (session 22: 4.8% of Spec-Bench's steps)."""
+    engine, trees = engine_with_costs({1: {1: 0.6, 8: 0.92, 32: 0.95}}, {1: 1.0, 8: 2.5, 32: 2.72})
+    policy = engine.policy
+    assert trees[8] in policy._inside(trees[32])
+    ran = []
+    for _ in range(1000):
+        tree = engine.scheduler.tree_for(1)
+        ran.append(tree.num_nodes)
+        policy.observe(tree, {1: 1.0, 8: 2.5, 32: 2.72}[tree.num_nodes], 1)
+        policy.observe_step(1, tree, {1: 0.6, 8: 0.92, 32: 0.95}[tree.num_nodes])
+    assert policy.decision[1] is trees[32] and 2.5 / 0.92 > 2.72 / 0.95 / 1.1  # within TRIAL_BAND of it
+    assert ran[:3 * TRIAL_STEPS] == [32] * TRIAL_STEPS + [8] * TRIAL_STEPS + [1] * TRIAL_STEPS
+    assert 8 not in ran[3 * TRIAL_STEPS:]  # its trial only
 
 
 def test_a_tree_is_expected_to_accept_at_least_what_a_tree_inside_it_accepts():
