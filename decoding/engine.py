@@ -48,7 +48,7 @@ from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
 from medusa.decoding.prefill_graphs import PromptSegment
-from medusa.decoding.sampler import SamplingConfig, TokenSampler, seeded_uniforms, target_probs
+from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
@@ -712,7 +712,7 @@ class LLMEngine:
         if request.sampler.seed is None:
             uniforms = np.random.random(depths)
         else:
-            uniforms = seeded_uniforms(request.sampler.seed, request.seq.num_output_tokens + np.arange(depths))
+            uniforms = request.sampler.window(request.seq.num_output_tokens, depths)
         return RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, uniforms)
 
     # ---- helpers ---------------------------------------------------------

@@ -65,6 +65,17 @@ class TokenSampler:
 
     def __init__(self, seed: int | None) -> None:
         self.seed = seed
+        self._block: tuple[int, np.ndarray] = (0, np.empty(0))  # (first position, its uniforms): see `window`
+
+    def window(self, start: int, count: int) -> np.ndarray:
+        """[count] uniforms of output positions start.. (a seeded sampler's), from a cached block of
+        UNIFORM_BLOCK positions: a request's steps ask for overlapping windows that move forward a few
+        positions a step, so the block is computed once per UNIFORM_BLOCK outputs, not every step."""
+        first, block = self._block
+        if not (first <= start and start + count <= first + len(block)):
+            first, block = start, seeded_uniforms(self.seed, np.arange(start, start + max(count, UNIFORM_BLOCK)))
+            self._block = (first, block)
+        return block[start - first: start - first + count]
 
     def __call__(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """probs [N, V]; positions [N] output index of each row's token -> tokens [N]."""
@@ -81,6 +92,7 @@ class TokenSampler:
         return torch.from_numpy(seeded_uniforms(seed, positions.cpu().numpy()))  # positions may be on the GPU
 
 
+UNIFORM_BLOCK = 256  # positions a seeded sampler computes at once (`TokenSampler.window`)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment: 2^64 / the golden ratio
 
 

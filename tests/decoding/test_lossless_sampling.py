@@ -123,3 +123,27 @@ def test_seeded_uniforms_depend_on_seed_and_position_only_and_are_uniform():
     assert abs(np.corrcoef(stream[:-1], stream[1:])[0, 1]) < 0.01
     seeds = np.array([seeded_uniforms(s, np.array([0]))[0] for s in range(20_000)])
     assert abs(np.corrcoef(seeds[:-1], seeds[1:])[0, 1]) < 0.03 and abs(seeds.mean() - 0.5) < 0.01
+
+
+def test_a_seeded_samplers_windows_come_from_cached_blocks_with_the_same_values(monkeypatch):
+    """Each step asks for the uniforms of the next few positions; they come from a block computed once per
+    UNIFORM_BLOCK positions, and equal the per-position function whatever the window."""
+    import numpy as np
+
+    import medusa.decoding.sampler as sampler
+
+    calls = []
+    compute = sampler.seeded_uniforms
+    monkeypatch.setattr(sampler, "seeded_uniforms", lambda seed, positions: calls.append(len(positions))
+                        or compute(seed, positions))
+    s = sampler.TokenSampler(5)
+    start = 0
+    while start < 3 * sampler.UNIFORM_BLOCK:
+        count = 1 + start % 17
+        got = s.window(start, count)
+        assert np.array_equal(got, compute(5, np.arange(start, start + count))), start
+        start += 1 + start % 5
+    assert len(calls) <= 4 and all(n >= sampler.UNIFORM_BLOCK for n in calls)
+    assert np.array_equal(s.window(10, 3), compute(5, np.arange(10, 13)))  # back to an earlier window: recomputed
+    wide = s.window(0, 2 * sampler.UNIFORM_BLOCK)  # wider than a block
+    assert np.array_equal(wide, compute(5, np.arange(2 * sampler.UNIFORM_BLOCK)))
