@@ -340,8 +340,8 @@ class LLMEngine:
 
     def _time_trees(self, bucket: int, trees: list[TreeSpec], context: int) -> None:
         """Give the policy each tree's graph-timed step at this bucket: the fastest of TIMING_ROUNDS rounds
-        that time every tree in turn, so a drift of the GPU's speed lands on all of them (timed one after
-        the other, two trees of one tensor-core tile came out 1% apart in one lease and 10% in another).
+        that time every tree in turn, so a drift of the GPU's speed lands on all of them (two trees of one
+        tensor-core tile were timed 1% apart by one lease's warmup, 10% apart by another lease's step_parts).
 
         A plain step that stays plain skips the heads: that is its cost. The variant with heads (a trial's,
         the step before a revisit, or plain decoding's re-timing step amid speculation) is captured and timed

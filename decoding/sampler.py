@@ -109,7 +109,7 @@ def seeded_uniforms(seed: int, positions: np.ndarray) -> np.ndarray:
 
     Every step of a seeded request needs the uniforms of its tree's depths and its steps in flight
     (~18 positions a row for a 16-token tree); a NumPy generator seeded per position cost the host
-    ~20 us each, 0.4 ms a row and step, more than the GPU's whole step (session 22)."""
+    ~20 us each, 0.4 ms a row and step on a 2-core CI machine, more than the GPU's whole step (session 22)."""
     start = _mix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
     counters = np.asarray(positions, dtype=np.int64).astype(np.uint64) + np.uint64(1)
     bits = _mix64(start + counters * _GOLDEN)
