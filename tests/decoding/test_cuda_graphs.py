@@ -109,6 +109,18 @@ def test_graph_engine_seeded_sampling_is_batch_invariant(default_model_dir):
     assert mixed[-1].token_ids == alone
 
 
+def test_graph_engine_seeded_draws_are_the_same_with_and_without_the_filters(default_model_dir):
+    """A temperature-only step replays the SAMPLED graphs (no sorts); beside a top-p row the FILTERED ones."""
+    model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
+    prompt = model.encode([{"role": "user", "content": "Write a haiku about the sea."}])
+    seeded = SamplingParams(max_tokens=32, temperature=0.8, seed=7)
+    engine = model.engine()
+    alone = engine.generate([prompt], seeded)[0].token_ids
+    beside = engine.generate([prompt, prompt], [seeded, SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9)])
+    assert beside[0].token_ids == alone
+    assert {key[2] for key in engine.runner.decode._graphs} >= {1, 2}  # both sampling kinds ran as graphs
+
+
 def test_graph_engine_with_prompt_lookup_matches_plain_greedy(default_model_dir):
     """The lookup chain's tokens travel in the step's input copy and are read inside the graphs."""
     model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32, prompt_lookup=4)

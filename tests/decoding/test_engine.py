@@ -303,6 +303,18 @@ def test_prompts_admitted_together_start_as_they_would_alone(tiny):
         assert t.token_ids == a.token_ids
 
 
+def test_a_seeded_request_draws_the_same_tokens_beside_a_top_p_row(tiny):
+    """A temperature-only step skips the top-k/top-p sorts (sampling kind SAMPLED); beside a top-p row
+    the same request's step runs them (FILTERED): its tokens must not change."""
+    model, heads = tiny
+    ps = prompts(2, seed=5)
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, seed=11)
+    alone = make_engine(model, heads).generate([ps[0]], seeded)[0]
+    beside = make_engine(model, heads).generate(ps, [seeded, SamplingParams(max_tokens=16, temperature=0.9,
+                                                                            top_p=0.8, seed=2)])
+    assert beside[0].token_ids == alone.token_ids
+
+
 def test_warmup_captures_sampled_steps_graphs_when_asked(tiny, monkeypatch):
     """The graph calls warmup makes, on a CPU standing in for a GPU: with sampling=True, every (batch bucket,
     tree) whose greedy graphs it captures for prompt chunks also gets its sampled graphs, with and without
