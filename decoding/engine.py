@@ -15,10 +15,10 @@ their token bucket, `prefill_graphs.py`) -> append tokens, check stops, free
 finished sequences.
 
 With overlap (`EngineConfig.overlap`, on with CUDA graphs) a step is launched before the previous
-one is read back, and an admission waits for nothing either: a greedy request's first token is
-drawn on the device, where the next step's tree starts from it, and reaches the host with the
-next step (`_FirstTokens`); only an admission with host work (sampling, logprobs, penalties,
-min_tokens) reads it at once.
+one is read back, and an admission waits for nothing either: a request's first token is
+decided on the device (argmax, or a draw for a sampled one), where the next step's tree starts from it,
+and reaches the host with the next step (`_FirstTokens`); only an admission with host work (logprobs,
+penalties, min_tokens) reads it at once.
 
 With `prompt_lookup=L`, every speculative tree also carries a chain of L nodes
 whose tokens copy what followed the latest earlier occurrence of the sequence's
@@ -39,6 +39,7 @@ from typing import Any, Sequence as Seq
 import numpy as np
 import torch
 
+from medusa.decoding.batch_verify import sampled_targets
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
 from medusa.decoding.decode_step import GREEDY, SAMPLED, RowSampling
@@ -120,6 +121,7 @@ class _Request:
     quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
     host_always: bool = field(init=False)  # logprobs or penalties: every verdict is the host's
     eos_banned_until: int = field(init=False)  # output tokens before which EOS is banned (min_tokens)
+    first_pending: bool = False  # its first output token was drawn on the device and is not read back yet
 
     def __post_init__(self) -> None:
         params = self.params
@@ -145,8 +147,9 @@ class _InFlight:
 
 @dataclass
 class _FirstTokens:
-    """First output tokens of admitted greedy rows, drawn on the device and read back a step later, so an
-    admission does not stall the overlapped steps (the next step decodes from the device's roots)."""
+    """First output tokens of admitted rows that need no host logic (greedy, or sampled without penalties,
+    logprobs or min_tokens), decided on the device and read back a step later, so an admission does not
+    stall the overlapped steps (the next step decodes from the device's roots)."""
 
     requests: list[_Request]
     tokens: PendingCopy  # [n], one per request
@@ -540,6 +543,8 @@ class LLMEngine:
         its first token had a step launched for it already: that step's read-back skips it."""
         outputs = []
         for batch in self._first_tokens:
+            for request in batch.requests:
+                request.first_pending = False
             live = [(r, t) for r, t in zip(batch.requests, batch.tokens.tolist())
                     if self.requests.get(r.seq.request_id) is r]  # not aborted meanwhile
             outputs += self._emit_first_tokens(live)
@@ -591,10 +596,14 @@ class LLMEngine:
             raw = self.model.compute_logits(last[at])  # [f, V]
             argmax = raw.argmax(-1)  # [f]
             plain = [ready[k][0].sampling.greedy and not self._needs_host(ready[k][0]) for k in fresh]
-            if self.overlap and all(plain):  # the device keeps the roots; the host reads them a step later
+            if self.overlap and not any(self._needs_host(ready[k][0]) for k in fresh):
+                # the device keeps the roots (argmax, or a draw for sampled rows); the host reads them a step later
+                first = self._draw_first_tokens([ready[k][0] for k in fresh], raw, argmax)
                 roots = to_device(roots, torch.long, self.device)
-                roots[at] = argmax
-                deferred = copy_to_host(argmax)
+                roots[at] = first
+                deferred = copy_to_host(first)
+                for k in fresh:
+                    ready[k][0].first_pending = True
             else:
                 argmax = argmax.tolist()  # the step's one sync for plain greedy rows
                 for j, k in enumerate(fresh):
@@ -614,6 +623,23 @@ class LLMEngine:
             self._first_tokens.append(_FirstTokens([ready[k][0] for k in fresh], deferred))
             return []
         return self._emit_first_tokens([(ready[k][0], roots[k]) for k in fresh])
+
+    def _draw_first_tokens(self, requests: list[_Request], raw: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+        """Output token 0 of fresh requests that need no host logic, on the device: `argmax` [f] for greedy
+        ones, for sampled ones a draw from raw logits [f, V] as a decode step draws its targets
+        (`sampled_targets`: for a seeded request the host sampler's draw, with output 0's uniform)."""
+        sampled = [j for j, request in enumerate(requests) if not request.sampling.greedy]
+        if not sampled:
+            return argmax
+        rows = [self._row_sampling(requests[j], None) for j in sampled]
+        at = to_device(sampled, torch.long, self.device)
+        drawn = sampled_targets(
+            raw[at][:, None, :], torch.tensor([r.temperature for r in rows], device=self.device),
+            torch.tensor([r.top_k for r in rows], device=self.device),
+            torch.tensor([r.top_p for r in rows], device=self.device),
+            torch.tensor(np.array([r.uniforms[:1] for r in rows]), dtype=torch.float64, device=self.device),
+            filtered=any(r.filters for r in rows))  # [s, 1]
+        return argmax.index_copy(0, at, drawn[:, 0])
 
     def _first_token(self, request: _Request, raw: torch.Tensor) -> int:
         """Output token 0 from raw logits [1, V], with penalties, the min_tokens ban, sampling, logprobs."""
@@ -698,21 +724,24 @@ class LLMEngine:
         """Whether the request's rows need the host's verdict: logprobs, penalties, or EOS still banned."""
         return request.host_always or request.seq.num_output_tokens < request.eos_banned_until
 
-    def _row_sampling(self, request: _Request, tree: DeviceTree) -> RowSampling | None:
+    def _row_sampling(self, request: _Request, tree: DeviceTree | None) -> RowSampling | None:
         """Device-side sampling settings for a sampling row the host does not handle; None otherwise.
 
         Node i's target is output number num_output_tokens + (tokens of steps in flight) + depth(i);
         its uniform is the one the host sampler would use there (a fresh one per step if unseeded).
+        A first token drawn on the device and not read back yet counts as an output. tree=None: the
+        first token's own draw (one uniform).
         """
         sampling = request.sampling
         if sampling.greedy or self._needs_host(request):
             return None
         # from the host's output count on: the steps in flight (up to M tokens) come before this one's
-        depths = request.seq.num_inflight_tokens + tree.spec.max_depth + 1
+        depths = request.seq.num_inflight_tokens + tree.spec.max_depth + 1 if tree is not None else 1
+        start = request.seq.num_output_tokens + request.first_pending
         if request.sampler.seed is None:
             uniforms = np.random.random(depths)
         else:
-            uniforms = request.sampler.window(request.seq.num_output_tokens, depths)
+            uniforms = request.sampler.window(start, depths)
         return RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, uniforms)
 
     # ---- helpers ---------------------------------------------------------

@@ -212,6 +212,28 @@ def test_seeded_sampling_and_host_rows_are_unchanged_by_overlap(tiny):
     assert tokens[0] == tokens[1] and tokens[2] == tokens[3] and tokens[4] == tokens[5]
 
 
+def test_sampled_first_tokens_are_drawn_on_the_device_and_read_a_step_late(tiny):
+    """Admitting seeded sampled requests (temperature, top-k, top-p; no host logic) no longer reads their
+    first token at once: it is drawn on the device as a step draws its targets, the next step's draws start
+    at output 1, and every token equals the synchronous engine's (which draws the first one on the host)."""
+    model, heads = tiny
+    ps = random_prompts(4, VOCAB, 30, seed=21)
+    params = [SamplingParams(max_tokens=14, temperature=0.9, seed=31), SamplingParams(max_tokens=14),
+              SamplingParams(max_tokens=14, temperature=1.2, top_k=6, seed=32),
+              SamplingParams(max_tokens=14, temperature=0.7, top_p=0.8, seed=33)]
+    for h, alternate in ((None, False), (heads, True)):
+        engine = engine_for(model, h, True, alternate=alternate)
+        ids = [engine.add_request(p, sp) for p, sp in zip(ps, params)]
+        assert engine.step() == [] and len(engine._first_tokens) == 1  # no sync: all four first tokens pending
+        assert all(engine.requests[rid].first_pending for rid in ids)
+        finals = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                finals[out.request_id] = out.token_ids
+        synchronous = engine_for(model, h, False, alternate=alternate).generate(ps, params)
+        assert [finals[rid] for rid in ids] == [o.token_ids for o in synchronous]
+
+
 def test_steps_sharing_their_time_with_a_prefill_teach_the_policy_nothing(tiny):
     """A prefill's device time (and the admission's sync) lands in the wall time of the decode step that runs
     after it: such steps are not timed. Synchronous steps are timed within their engine step; an overlapped
