@@ -6,6 +6,7 @@
     python benchmarks/throughput.py --models default --concurrency 64 --host-profile --out out/tp   # + the host's work
     python benchmarks/throughput.py --quick --out out/tp-quick                 # CPU smoke run (CI)
     python benchmarks/throughput.py --models default --prompt-lookup 4 --out out/tp-pl4   # + a lookup chain
+    python benchmarks/throughput.py --models default --temperature 0.7 --out out/tp-t07  # seeded sampled requests
     python benchmarks/throughput.py --models default --heads out/m2/heads --out out/tp-m2   # other heads (Medusa-2 too)
 
 For each model and concurrency C, a closed loop keeps C requests in flight on
@@ -189,14 +190,16 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         m, prompts = default_model(device, dtype, args.heads)
         base, heads, tokenizer, eos = m.base, m.heads, m.tokenizer, sorted(m.eos_token_ids)
         config = m.engine_config()
-        params = SamplingParams(max_tokens=args.max_tokens, output_kind=args.output_kind)
+        params = SamplingParams(max_tokens=args.max_tokens, output_kind=args.output_kind,
+                                temperature=args.temperature)
     else:
         base, heads, tokenizer = random_model(name, device, dtype)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, base.config.vocab_size, (int(n),), generator=g).tolist()
                    for n in torch.randint(64, 256, (args.requests_per_slot * max(args.concurrency),), generator=g)]
         eos, config = [], EngineConfig()
-        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, output_kind=args.output_kind)
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, output_kind=args.output_kind,
+                                temperature=args.temperature)
     scheduler = SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=4096)
     # the phase timer synchronises around every phase, so a profiled engine runs without overlap
     overlap = False if args.profile_steps or args.no_overlap else None
@@ -207,7 +210,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     for mode, medusa in (("plain", None), ("medusa", heads)):
         engine = LLMEngine(base, medusa, config, tokenizer, eos)
         start = time.perf_counter()
-        policy = engine.warmup()
+        policy = engine.warmup(sampling=args.temperature > 0)
         warmup = {"warmup_s": time.perf_counter() - start, "decode_graphs": engine.runner.decode.num_graphs}
         print(json.dumps({"model": name, "mode": mode, "tree_policy": policy, **warmup}), flush=True)
         run_level(engine, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), 1)
@@ -216,7 +219,9 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     for c in args.concurrency:
         level = [prompts[i % len(prompts)] for i in range(args.requests_per_slot * c)]  # Spec-Bench has 480
         lengths = answer_lengths(len(level), args.max_tokens, args.length_spread)
-        level_params = [replace(params, max_tokens=n) for n in lengths]
+        # sampled requests are seeded one by one: both modes draw the same uniforms for the same request
+        level_params = [replace(params, max_tokens=n, seed=i if args.temperature > 0 else None)
+                        for i, n in enumerate(lengths)]
         # plain and Medusa runs alternate: the machine's speed drifts (up to 35% between runs of one level in
         # one lease, RESULTS.md Run O), and a drift then lands on both modes' runs alike
         runs = {mode: [] for mode in engines}
@@ -286,6 +291,9 @@ def main() -> None:
     p.add_argument("--output-kind", default="delta", choices=("delta", "final"),
                    help="SamplingParams.output_kind: text every step (streaming, the default) or once at the end")
     p.add_argument("--heads", default=None, help="heads folder for the default model (default: the shipped heads)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature, each request seeded (default 0: greedy); warmup then "
+                        "captures sampled steps too")
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 levels, 8 tokens (CPU, CI)")
     p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
@@ -293,6 +301,8 @@ def main() -> None:
     args = p.parse_args()
     if not 0 <= args.length_spread < 1:
         p.error(f"--length-spread must be in [0, 1), got {args.length_spread}")
+    if not args.temperature >= 0:
+        p.error(f"--temperature must be >= 0, got {args.temperature}")
     if args.mixed_prompt_tokens < 0:
         p.error(f"--mixed-prompt-tokens must be >= 0, got {args.mixed_prompt_tokens}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -308,7 +318,7 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     (out / "results.json").write_text(json.dumps({"device": device_name, "dtype": str(dtype),
                                                    "max_tokens": args.max_tokens, "length_spread": args.length_spread,
-                                                   "prompt_lookup": args.prompt_lookup,
+                                                   "prompt_lookup": args.prompt_lookup, "temperature": args.temperature,
                                                    "repeats": args.repeats, "heads": args.heads, "output_kind": args.output_kind,
                                                    "overlap": not (args.no_overlap or args.profile_steps),
                                                    "mixed_prompt_tokens": args.mixed_prompt_tokens,

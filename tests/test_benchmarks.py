@@ -250,6 +250,20 @@ def test_throughput_rejects_a_bad_length_spread(tmp_path):
     assert done.returncode == 2 and "--length-spread must be in [0, 1), got 1.5" in done.stderr
 
 
+def test_throughput_quick_with_seeded_sampled_requests(tmp_path):
+    results = run("throughput.py", tmp_path, "--temperature", "0.7", "--repeats", "1")
+    assert results["temperature"] == 0.7
+    rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
+    assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 4)}
+    assert all(r["tok_s"] > 0 and r["tokens"] == 3 * r["concurrency"] * 8 for r in rows.values())
+
+
+def test_throughput_rejects_a_negative_temperature(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--out",
+                           str(tmp_path), "--temperature", "-1"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and "--temperature must be >= 0, got -1.0" in done.stderr
+
+
 def test_host_time_quick(default_model_dir, tmp_path):
     results = run("host_time.py", tmp_path)
     assert [level["mode"] for level in results["levels"]] == ["plain", "medusa"]
