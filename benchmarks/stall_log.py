@@ -14,7 +14,9 @@ import torch
 
 class StallLog:
     """Triton compiles, CUDA graph captures and GC passes while active: [{kind, name, ms, step}], where step
-    is the number of engine steps `trace` had recorded when it ended (-1 without a trace)."""
+    is the number of engine steps `trace` had recorded when it ended (-1 without a trace). A decode step's
+    capture is also logged as one `decode_graph` event named by its key (rows, tree, sampling kind, heads,
+    prompt tokens, key bound), whose ms hold its two `graph_capture` events: which graphs first use captured."""
 
     def __init__(self) -> None:
         self.events: list[dict] = []
@@ -55,6 +57,18 @@ class StallLog:
                 return original(graph, *args, **kwargs)
             return wrapped
 
+        def decode_capture(original):  # DecodeStep._capture: a decode graph pair, named by its key
+            def wrapped(step, tree, padded, sampling, propose, prompts, kv_bound=None):
+                start = time.perf_counter()
+                out = original(step, tree, padded, sampling, propose, prompts, kv_bound=kv_bound)
+                log._note("decode_graph", decode_graph_name(tree.spec.label, padded, sampling, propose,
+                                                            prompts.num_tokens if prompts else 0, kv_bound), start)
+                return out
+            return wrapped
+
+        from medusa.decoding.decode_step import DecodeStep
+
+        self._patch(DecodeStep, "_capture", decode_capture)
         try:
             from triton.runtime.jit import JITFunction
             if hasattr(JITFunction, "_do_compile"):
@@ -83,6 +97,14 @@ class StallLog:
         """The events so far, emptied."""
         events, self.events = self.events, []
         return events
+
+
+def decode_graph_name(tree: str, padded: int, sampling: int, propose: bool, prompt_tokens: int,
+                      kv_bound: int | None) -> str:
+    kinds = {0: "greedy", 1: "sampled", 2: "filtered"}
+    name = f"{padded} rows, {tree}, {kinds.get(int(sampling), sampling)}, {'heads' if propose else 'no heads'}"
+    name += f", {prompt_tokens} prompt tokens" if prompt_tokens else ""
+    return name + (f", keys <= {kv_bound}" if kv_bound else "")
 
 
 def stalls_summary(events: list[dict]) -> dict:

@@ -215,6 +215,19 @@ def test_stalls_logs_what_the_steps_waited_for_and_needs_a_gpu(tmp_path, monkeyp
     assert JITFunction._do_compile is stub
     assert [(e["kind"], e["name"], e["step"]) for e in log.take()] == [("triton_compile", "_some_kernel", -1)]
     assert stalls_summary(events + events)["gc"]["count"] == 2 and log.take() == []
+    # a decode step's capture is named by its key
+    from medusa.decoding.decode_step import DecodeStep
+    from medusa.tree import TreeSpec
+
+    monkeypatch.setattr(DecodeStep, "_capture", lambda step, tree, padded, sampling, propose, prompts, kv_bound=None:
+                        "graphs")
+    tree = type("Tree", (), {"spec": TreeSpec.load("tree-4")})()
+    prompts = type("Prompts", (), {"num_tokens": 64})()
+    with StallLog() as log:
+        assert DecodeStep._capture(None, tree, 8, 1, False, prompts) == "graphs"
+        DecodeStep._capture(None, tree, 1, 0, True, None, kv_bound=1024)
+    assert [e["name"] for e in log.take()] == ["8 rows, tree-4, sampled, no heads, 64 prompt tokens",
+                                               "1 rows, tree-4, greedy, heads, keys <= 1024"]
     step = lambda rows, nodes, carried, prefilled, ms: {"rows": rows, "nodes": nodes, "carried": carried,
                                                         "prefilled": prefilled, "ms": ms}
     kinds = kinds_summary([step(0, 0, 0, 64, 9.0), step(4, 16, 32, 0, 2.0), step(4, 16, 0, 0, 1.0),
