@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature (seeded per request); warmup then captures sampled steps too")
     args = p.parse_args()
+    if not args.temperature >= 0:
+        p.error(f"--temperature must be >= 0, got {args.temperature}")
     if not torch.cuda.is_available():
         p.error("stalls.py measures the GPU engine's hot path: it needs a CUDA device")
     out = Path(args.out)

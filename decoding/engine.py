@@ -595,7 +595,6 @@ class LLMEngine:
             at = to_device(fresh, torch.long, self.device)
             raw = self.model.compute_logits(last[at])  # [f, V]
             argmax = raw.argmax(-1)  # [f]
-            plain = [ready[k][0].sampling.greedy and not self._needs_host(ready[k][0]) for k in fresh]
             if self.overlap and not any(self._needs_host(ready[k][0]) for k in fresh):
                 # the device keeps the roots (argmax, or a draw for sampled rows); the host reads them a step later
                 first = self._draw_first_tokens([ready[k][0] for k in fresh], raw, argmax)
@@ -605,6 +604,7 @@ class LLMEngine:
                 for k in fresh:
                     ready[k][0].first_pending = True
             else:
+                plain = [ready[k][0].sampling.greedy and not self._needs_host(ready[k][0]) for k in fresh]
                 argmax = argmax.tolist()  # the step's one sync for plain greedy rows
                 for j, k in enumerate(fresh):
                     roots[k] = argmax[j] if plain[j] else self._first_token(ready[k][0], raw[j:j + 1])
@@ -633,11 +633,12 @@ class LLMEngine:
             return argmax
         rows = [self._row_sampling(requests[j], None) for j in sampled]
         at = to_device(sampled, torch.long, self.device)
+        # to_device, not torch.tensor(device=...): a copy from pageable memory would wait for the queued steps
         drawn = sampled_targets(
-            raw[at][:, None, :], torch.tensor([r.temperature for r in rows], device=self.device),
-            torch.tensor([r.top_k for r in rows], device=self.device),
-            torch.tensor([r.top_p for r in rows], device=self.device),
-            torch.tensor(np.array([r.uniforms[:1] for r in rows]), dtype=torch.float64, device=self.device),
+            raw[at][:, None, :], to_device([r.temperature for r in rows], torch.float32, self.device),
+            to_device([r.top_k for r in rows], torch.long, self.device),
+            to_device([r.top_p for r in rows], torch.float32, self.device),
+            to_device(np.array([r.uniforms[:1] for r in rows]), torch.float64, self.device),
             filtered=any(r.filters for r in rows))  # [s, 1]
         return argmax.index_copy(0, at, drawn[:, 0])
 
