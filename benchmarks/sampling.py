@@ -1,9 +1,10 @@
 """What device-side sampling adds to a decode step: `sampled_targets` with and without the top-k / top-p
-filters (their two sorts of the vocabulary), at the rows x nodes a step draws for (GPU).
+filters (the sort that finds their cutoffs), against a greedy step's argmax, at the rows x nodes a step
+draws for (GPU).
 
-A step whose sampling rows only set a temperature (an OpenAI request's default) runs it unfiltered;
-one with a top-k or top-p row runs the filters for every row. Eager calls, CUDA-event timed: each
-is a dozen-odd kernels, as inside a step's graph.
+A step whose sampling rows only set a temperature (an OpenAI request's default) runs it unfiltered
+(the Gumbel-max kernels alone); one with a top-k or top-p row runs the filters for every row. Eager
+calls under inference mode (where the Triton kernels run), CUDA-event timed.
 
     python benchmarks/sampling.py --out out/sampling.json
 """
@@ -16,19 +17,24 @@ import json
 import torch
 
 from medusa.decoding.batch_verify import sampled_targets
+from medusa.kernels.top_k import top_k_indices
 from step_parts import median_ms
 
 
-def time_draws(rows: int, nodes: int, vocab: int, filtered: bool) -> float:
+def time_draws(rows: int, nodes: int, vocab: int, filtered: bool | None) -> float:
+    """Median ms of one step's draws; filtered=None: the greedy argmax instead."""
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(rows, nodes, vocab, device="cuda", dtype=torch.bfloat16, generator=g) * 3
     temperature = torch.full((rows,), 0.7, device="cuda")
     top_k = torch.zeros(rows, dtype=torch.long, device="cuda")
     top_p = torch.ones(rows, device="cuda")
     uniforms = torch.rand(rows, nodes, dtype=torch.float64, device="cuda", generator=g)
+    if filtered is None:
+        return median_ms(lambda: top_k_indices(logits, 1))
     return median_ms(lambda: sampled_targets(logits, temperature, top_k, top_p, uniforms, filtered=filtered))
 
 
+@torch.inference_mode()  # the kernels serve inference only (kernels/dispatch.py)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -42,7 +48,8 @@ def main() -> None:
     for shape in args.shapes:
         b, n = (int(x) for x in shape.split("x"))
         row = {"rows": b, "nodes": n, "vocab": args.vocab,
-               "filtered_ms": time_draws(b, n, args.vocab, True), "unfiltered_ms": time_draws(b, n, args.vocab, False)}
+               "filtered_ms": time_draws(b, n, args.vocab, True), "unfiltered_ms": time_draws(b, n, args.vocab, False),
+               "argmax_ms": time_draws(b, n, args.vocab, None)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     with open(args.out, "w") as f:

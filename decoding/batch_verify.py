@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.sampler import filter_cutoffs
+from medusa.kernels.gumbel_sample import gumbel_argmax
 
 
 def build_candidates(tree: DeviceTree, roots: torch.Tensor, topk: torch.Tensor | None,
@@ -64,34 +66,21 @@ def compaction_slots(tree: DeviceTree, slots: torch.Tensor, best: torch.Tensor) 
 
 def sampled_targets(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                     uniforms: torch.Tensor, filtered: bool = True) -> torch.Tensor:
-    """Each node's target drawn from its row's processed distribution by inverse CDF.
+    """Each node's target drawn from its row's processed distribution by the Gumbel-max trick.
 
     logits [B, N, V]; temperature, top_p [B] float; top_k [B] long (0 = off);
-    uniforms [B, N] float64 in [0, 1). Row by row this is exactly
-    `sampler.target_probs` followed by the seeded `TokenSampler` draw, so a
-    seeded request gets the same tokens here as on the host path.
-    filtered=False: no row has top-k or top-p (the caller knows), so their two sorts are skipped;
-    the draws are the same bit for bit.
+    uniforms [B, N] float64 in [0, 1), each keying its node's noise. Row by row this
+    is exactly the seeded `TokenSampler` draw, so a seeded request gets the same
+    tokens here as on the host path.
+    filtered=False: no row has top-k or top-p (the caller knows), so the sort that finds
+    their cutoffs is skipped; a row without filters draws the same token either way.
     """
-    vocab = logits.shape[-1]
-    scaled = logits.float() / temperature[:, None, None]
+    batch, n, vocab = logits.shape
+    flat = logits.reshape(batch * n, vocab)
+    per_node = lambda t: t[:, None].expand(batch, n).reshape(-1)  # noqa: E731  [B] -> [B * N]
+    temperature = per_node(temperature.float())
     if filtered:
-        ordered = scaled.sort(dim=-1, descending=True).values
-        use_k = (top_k > 0) & (top_k < vocab)
-        kth = ordered.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None, None].expand(-1, scaled.shape[1], 1))
-        scaled = scaled.masked_fill(use_k[:, None, None] & (scaled < kth), float("-inf"))
-        scaled = _top_p_rows(scaled, top_p)
-    probs = torch.softmax(scaled, dim=-1)
-    cdf = probs.double().cumsum(-1)  # [B, N, V]
-    tokens = torch.searchsorted(cdf, (uniforms * cdf[..., -1])[..., None]).squeeze(-1)
-    return tokens.clamp(max=vocab - 1)
-
-
-def _top_p_rows(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Nucleus filter with a threshold per row; rows with top_p = 1 are left alone (as the host path does)."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(-1) - probs
-    drop = (mass_before >= top_p[:, None, None]) & (top_p < 1)[:, None, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        cutoff = filter_cutoffs(flat, temperature, per_node(top_k), per_node(top_p))
+    else:
+        cutoff = torch.full((batch * n,), float("-inf"), device=logits.device)
+    return gumbel_argmax(flat, temperature, cutoff, uniforms.reshape(-1)).view(batch, n)

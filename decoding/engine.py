@@ -49,7 +49,7 @@ from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
 from medusa.decoding.prefill_graphs import PromptSegment
-from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
+from medusa.decoding.sampler import SamplingConfig, TokenSampler
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
@@ -647,7 +647,7 @@ class LLMEngine:
         logits = self._suppress_eos(request, self._penalize(request, raw), torch.zeros(1, device=self.device))
         sampling = request.sampling
         first = torch.zeros(1, dtype=torch.long, device=self.device)  # output index 0
-        root = logits[0].argmax() if sampling.greedy else request.sampler(target_probs(logits, sampling), first)[0]
+        root = logits[0].argmax() if sampling.greedy else request.sampler(logits, sampling, first)[0]
         self._note_logprobs(request, raw, [int(root)])
         return int(root)
 

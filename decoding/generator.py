@@ -22,7 +22,7 @@ from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.kv_cache import ContiguousKVCache
 from medusa.decoding.prompt_lookup import NgramIndex
 from medusa.decoding.proposer import Proposer, propose_from_heads
-from medusa.decoding.sampler import SamplingConfig, TokenSampler, target_probs
+from medusa.decoding.sampler import SamplingConfig, TokenSampler
 from medusa.decoding.speculation_gate import SpeculationGate
 from medusa.decoding.verifier import AcceptanceConfig, verify
 from medusa.heads import MedusaHeads
@@ -135,7 +135,7 @@ class TreeDecoder:
         last = hidden[-1]
         logits = self.model.compute_logits(last[None])  # [1, V]
         first = torch.zeros(1, dtype=torch.long, device=self.device)  # output index 0
-        root = logits[0].argmax() if sampling.greedy else sampler(target_probs(logits, sampling), first)[0]
+        root = logits[0].argmax() if sampling.greedy else sampler(logits, sampling, first)[0]
         return root, self._head_logits(last, root)
 
     def _forward(self, cache: ContiguousKVCache, ids: torch.Tensor, positions: torch.Tensor,

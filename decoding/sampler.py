@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from medusa.kernels.gumbel_sample import gumbel_argmax
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -28,39 +30,62 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
     @property
+    def filters(self) -> bool:
+        """Whether top-k or top-p removes tokens (a sort of the vocabulary finds which)."""
+        return bool(self.top_k) or self.top_p < 1
+
+    @property
     def greedy(self) -> bool:
         # below 1e-5 the softmax of logits / T overflows to NaN; it is argmax in all but name
         return self.temperature < 1e-5
 
 
 def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """[N, V] logits -> [N, V] float32 probabilities after temperature, top-k and top-p."""
-    logits = logits.float() / config.temperature
-    if config.top_k and config.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if config.top_p < 1:
-        logits = _top_p_filter(logits, config.top_p)
-    return torch.softmax(logits, dim=-1)
+    """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k and top-p."""
+    x = logits.float()
+    if not config.filters:
+        return torch.softmax(x / config.temperature, dim=-1)
+    rows = x.reshape(-1, x.shape[-1])
+    cutoff = filter_cutoffs(rows, *_per_row(config, rows.shape[0], rows.device)).view(*x.shape[:-1], 1)
+    return torch.softmax((x / config.temperature).masked_fill(x < cutoff, float("-inf")), dim=-1)
 
 
-def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+def filter_cutoffs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V]; temperature, top_p [R] float; top_k [R] long (0: off) -> [R] float32: the lowest
+    logit each row's top-k and top-p filters keep (-inf where neither filters), so that a token is kept
+    when its logit is at least that. Top-p keeps the most likely tokens, in order, until the mass before
+    the next one reaches top_p, on the distribution left by top-k at this temperature; a token tied
+    with the last one kept is kept too (which of equal logits a sort puts first is arbitrary)."""
+    x = logits.float()
+    vocab = x.shape[-1]
+    ordered = x.sort(dim=-1, descending=True).values  # [R, V]; 1 / T keeps the order
+    kth = ordered.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])[:, 0]
+    k_cut = torch.where((top_k > 0) & (top_k < vocab), kth, float("-inf"))
+    scaled = (ordered / temperature[:, None].float()).masked_fill(ordered < k_cut[:, None], float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    before = probs.cumsum(-1) - probs  # mass of the tokens ahead in the order
+    kept = (before < top_p[:, None]).int().cumprod(-1).sum(-1)  # leading tokens kept
+    # >= 1 for a real row; clamped for the rows a step pads with or that decode greedily (top_p, T: 0)
+    p_cut = ordered.gather(1, (kept.clamp(min=1) - 1)[:, None])[:, 0]
+    return torch.maximum(k_cut, torch.where(top_p < 1, p_cut, float("-inf")))
+
+
+def _per_row(config: SamplingConfig, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """config's temperature, top_k, top_p as [rows] tensors (filter_cutoffs' arguments)."""
+    return (torch.full((rows,), config.temperature, device=device),
+            torch.full((rows,), config.top_k, dtype=torch.long, device=device),
+            torch.full((rows,), config.top_p, device=device))
 
 
 class TokenSampler:
-    """Draws one token per row of probabilities.
+    """Draws one token per row of logits, by the Gumbel-max trick (`kernels/gumbel_sample.py`).
 
-    With a seed, the draw for output position p uses a uniform that depends only
-    on (seed, p) (inverse-CDF sampling), so a seeded request gives the same text
-    whatever tree it was verified with and whatever else shares its batch, and
-    the same text as plain decoding with that seed. Each emitted token still
-    gets a fresh uniform (one per output position), so sampling stays exact.
+    With a seed, the draw for output position p uses noise that depends only on
+    (seed, p) and the token, so a seeded request gives the same text whatever
+    tree it was verified with and whatever else shares its batch, and the same
+    text as plain decoding with that seed. Each emitted token still gets fresh
+    noise (one uniform per output position keys it), so sampling stays exact.
     """
 
     def __init__(self, seed: int | None) -> None:
@@ -77,18 +102,22 @@ class TokenSampler:
             self._block = (first, block)
         return block[start - first: start - first + count]
 
-    def __call__(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """probs [N, V]; positions [N] output index of each row's token -> tokens [N]."""
+    def __call__(self, logits: torch.Tensor, config: SamplingConfig, positions: torch.Tensor) -> torch.Tensor:
+        """logits [N, V] (before temperature and filters); positions [N] output index of each row's token
+        -> tokens [N], drawn from `target_probs(logits, config)` row by row."""
+        rows = logits.shape[0]
         if self.seed is None:
-            return torch.multinomial(probs, 1).squeeze(-1)
-        uniforms = self.uniforms(self.seed, positions).to(probs.device)
-        cdf = probs.double().cumsum(-1)  # [N, V]
-        tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None]).squeeze(-1)
-        return tokens.clamp(max=probs.shape[-1] - 1)
+            uniforms = torch.rand(rows, dtype=torch.float64)
+        else:
+            uniforms = self.uniforms(self.seed, positions)
+        temperature, top_k, top_p = _per_row(config, rows, logits.device)
+        cutoff = filter_cutoffs(logits, temperature, top_k, top_p) if config.filters else \
+            torch.full((rows,), float("-inf"), device=logits.device)
+        return gumbel_argmax(logits, temperature, cutoff, uniforms.to(logits.device))
 
     @staticmethod
     def uniforms(seed: int, positions: torch.Tensor) -> torch.Tensor:
-        """[N] float64: the uniform behind output position p's draw, a function of (seed, p) only."""
+        """[N] float64: the uniform that keys output position p's noise, a function of (seed, p) only."""
         return torch.from_numpy(seeded_uniforms(seed, positions.cpu().numpy()))  # positions may be on the GPU
 
 

@@ -57,10 +57,9 @@ def verify(tree: DeviceTree, candidates: torch.Tensor, logits: torch.Tensor, sam
         targets = logits.argmax(-1)  # [N]
         child_ok = candidates[1:] == targets[tree.parents[1:]]
     else:
-        probs = target_probs(logits, sampling)  # [N, V]
-        targets = (sampler or TokenSampler(None))(probs, position + tree.depths)
+        targets = (sampler or TokenSampler(None))(logits, sampling, position + tree.depths)  # [N]
         if acceptance.rule == "typical":
-            child_ok = _typical_ok(probs, candidates, tree.parents, acceptance)
+            child_ok = _typical_ok(target_probs(logits, sampling), candidates, tree.parents, acceptance)
         else:
             child_ok = candidates[1:] == targets[tree.parents[1:]]
     best = deepest_accepted(tree, child_ok)

@@ -86,8 +86,10 @@ def test_batched_sampling_equals_the_host_sampler_row_by_row():
     got = sampled_targets(logits, torch.tensor([c.temperature for c in configs]),
                           torch.tensor([c.top_k for c in configs]), torch.tensor([c.top_p for c in configs]), uniforms)
     for b, config in enumerate(configs):
-        want = TokenSampler(100 + b)(target_probs(logits[b], config), positions)
+        want = TokenSampler(100 + b)(logits[b], config, positions)
         assert got[b].tolist() == want.tolist(), b
+        kept = target_probs(logits[b], config) > 0  # every draw is a token the filters keep
+        assert kept.gather(1, got[b][:, None]).all(), b
 
 
 def test_sampling_without_filters_skips_the_sorts_and_draws_the_same_tokens():
@@ -96,7 +98,7 @@ def test_sampling_without_filters_skips_the_sorts_and_draws_the_same_tokens():
     from unittest import mock
 
     from medusa.decoding.batch_verify import sampled_targets
-    from medusa.decoding.sampler import TokenSampler, target_probs
+    from medusa.decoding.sampler import TokenSampler
 
     g = torch.Generator().manual_seed(4)
     batch, n, vocab = 4, 6, 300
@@ -111,7 +113,7 @@ def test_sampling_without_filters_skips_the_sorts_and_draws_the_same_tokens():
         fast = sampled_targets(*args, filtered=False)
     assert torch.equal(fast, full)
     for b in range(batch):
-        want = TokenSampler(7 + b)(target_probs(logits[b], SamplingConfig(temperature=float(temperature[b]))), positions)
+        want = TokenSampler(7 + b)(logits[b], SamplingConfig(temperature=float(temperature[b])), positions)
         assert fast[b].tolist() == want.tolist(), b
 
 

@@ -147,3 +147,29 @@ def test_a_seeded_samplers_windows_come_from_cached_blocks_with_the_same_values(
     assert np.array_equal(s.window(10, 3), compute(5, np.arange(10, 13)))  # back to an earlier window: recomputed
     wide = s.window(0, 2 * sampler.UNIFORM_BLOCK)  # wider than a block
     assert np.array_equal(wide, compute(5, np.arange(2 * sampler.UNIFORM_BLOCK)))
+
+
+def test_filter_cutoffs_keep_top_k_then_the_top_p_nucleus_and_ties():
+    from medusa.decoding.sampler import filter_cutoffs
+
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1, 0.0001]] * 4)).float()  # probabilities at T = 1
+    logits[3, 3] = logits[3, 2]  # a tie with the last token top-k keeps
+    got = filter_cutoffs(logits, torch.ones(4), torch.tensor([0, 2, 0, 3]), torch.tensor([1.0, 1.0, 0.65, 1.0]))
+    assert got[0] == float("-inf")  # no filter
+    assert got[1] == logits[1, 1]  # top-2
+    assert got[2] == logits[2, 1]  # 0.4 + 0.3 >= 0.65: the nucleus ends at the second token
+    assert got[3] == logits[3, 2] and (logits[3] >= got[3]).sum() == 4  # the tie is kept
+    # top-p acts on what top-k leaves: top-2 renormalised is 4/7, 3/7, so top_p 0.5 keeps one token
+    one = filter_cutoffs(logits[:1], torch.ones(1), torch.tensor([2]), torch.tensor([0.5]))
+    assert one[0] == logits[0, 0]
+
+
+def test_filter_cutoffs_survive_the_rows_a_step_pads_with():
+    """A filtered step also runs its padding and greedy rows (temperature and top_p 0 in the buffers):
+    their cutoffs are junk nobody reads, but finding them must not index out of the vocabulary (it did
+    on a GPU: a device-side assert in the graph)."""
+    from medusa.decoding.sampler import filter_cutoffs
+
+    logits = torch.randn(3, 50)
+    got = filter_cutoffs(logits, torch.tensor([0.0, 0.7, 0.0]), torch.tensor([0, 5, 0]), torch.tensor([0.0, 0.9, 1.0]))
+    assert got.shape == (3,) and got[1] >= logits[1].sort(descending=True).values[4]
