@@ -66,7 +66,7 @@ def filter_cutoffs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     probs = torch.softmax(scaled, dim=-1)
     before = probs.cumsum(-1) - probs  # mass of the tokens ahead in the order
     kept = (before < top_p[:, None]).int().cumprod(-1).sum(-1)  # leading tokens kept
-    # >= 1 for a real row; clamped for the rows a step pads with or that decode greedily (top_p, T: 0)
+    # >= 1 for a real row; 0 where the logits are NaN (a graph's warmup runs on padding): clamped, junk but in range
     p_cut = ordered.gather(1, (kept.clamp(min=1) - 1)[:, None])[:, 0]
     return torch.maximum(k_cut, torch.where(top_p < 1, p_cut, float("-inf")))
 

@@ -165,9 +165,9 @@ def test_filter_cutoffs_keep_top_k_then_the_top_p_nucleus_and_ties():
 
 
 def test_filter_cutoffs_survive_the_rows_a_step_pads_with():
-    """A filtered step also runs its padding and greedy rows (temperature and top_p 0 in the buffers):
-    their cutoffs are junk nobody reads, but finding them must not index out of the vocabulary (it did
-    on a GPU: a device-side assert in the graph)."""
+    """A graph's warmup runs on padding, whose logits may be NaN (here: temperature 0, top_p 0): those
+    cutoffs are junk nobody reads, but finding them must not index out of the vocabulary (it did on a
+    GPU: a device-side assert while capturing a filtered step)."""
     from medusa.decoding.sampler import filter_cutoffs
 
     logits = torch.randn(3, 50)
