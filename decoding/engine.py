@@ -304,8 +304,9 @@ class LLMEngine:
         max_num_seqs. A bucket left out is captured at its first use and its tree left to the token
         budget, as without warmup.
         sampling: also capture, for the trees each batch size runs first, the graphs of steps with
-        sampling rows (temperature > 0, an OpenAI client's default), which are graphs of their own:
-        without them the first sampled requests capture them mid-run.
+        sampling rows (temperature > 0, an OpenAI client's default), which are graphs of their own,
+        and the temperature-only step of every other tree timed there (its trials run them): without
+        them the first sampled requests capture them mid-run.
         """
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (or None for every batch bucket), got {max_batch}")
@@ -339,7 +340,21 @@ class LLMEngine:
         timed = [b for b in buckets if b in self.policy.step_cost]  # the trees each will run first
         first_trees = lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]]))  # noqa: E731
         self._capture_mixed(timed, first_trees, sampling)
+        if sampling:
+            self._capture_sampled_trials(timed)
         return {b: self.policy.choose(b).label for b in buckets}
+
+    def _capture_sampled_trials(self, buckets: list[int]) -> None:
+        """The temperature-only step of every tree timed at each bucket. A bucket's trials and revisits run
+        trees other than its first, and sampled rows accept less than the greedy priors say, so they often
+        settle elsewhere; their greedy graphs are captured by the timing, their sampled ones were not: on an
+        H200 the first run of a level captured 3-10 of them (55-85 ms each), 0.73-0.90x of plain decoding
+        against 1.15-1.41x once captured (benchmarks/RESULTS.md, session 23)."""
+        step = self.runner.decode
+        for bucket in buckets:
+            for tree in self.policy.step_cost[bucket]:
+                if tree.num_nodes > 1:
+                    step.capture(self._device_tree(tree), bucket, sampling=SAMPLED)
 
     def _time_trees(self, bucket: int, trees: list[TreeSpec], context: int) -> None:
         """Give the policy each tree's graph-timed step at this bucket: the fastest of TIMING_ROUNDS rounds
