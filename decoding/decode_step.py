@@ -41,6 +41,7 @@ from medusa.decoding.host_buffers import PendingCopy, copy_to_host, host_buffer,
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.heads import MedusaHeads
+from medusa.kernels.gumbel_sample import gumbel_top_k
 from medusa.kernels.ngram_lookup import ngram_lookup
 from medusa.kernels.top_k import top_k_indices
 from medusa.kernels.tree_accept import accept, verdict
@@ -76,6 +77,8 @@ class _Part1:
     hidden: torch.Tensor  # [Bp * N, H]
     logits: torch.Tensor  # [Bp * N, V]
     prompt_hidden: torch.Tensor | None = None  # [P, H] of the prompt chunks the step carried
+    # sampling steps: [Bp] each row's column in `uniforms` of its root's target (output position host count + it)
+    root_window: torch.Tensor | None = None
 
 
 # Plain steps of at most SHORT_KV_MAX_BATCH sequences whose keys fit SHORT_KV_KEYS replay a graph captured with
@@ -114,7 +117,7 @@ class DecodeStep:
         long = dict(dtype=torch.long, device=self.device)
         self.padding_row = max_seqs
         self.roots = torch.zeros(max_seqs + 1, **long)  # [R + 1] pending root per row (+ padding row)
-        k = heads.config.num_heads if heads is not None else 0
+        k = self.num_heads = heads.config.num_heads if heads is not None else 0
         self.topk = torch.zeros(max_seqs + 1, k, kmax, **long)  # [R + 1, K, kmax] heads' top tokens
         # rows (state row per batch row), known_base (the committed tokens the host knows of) and
         # query_start are views of one buffer that `prepare` fills from a host copy in one transfer: on a
@@ -380,15 +383,21 @@ class DecodeStep:
         hidden, prompt_hidden = hidden[: padded * n], (hidden[padded * n:] if prompts is not None else None)
         logits = self.model.compute_logits(hidden)  # [Bp * N, V]
         targets = top_k_indices(logits, 1).view(padded, n)  # argmax: the first maximum, in two launches
+        root_window = None
         if sampling:  # lossless sampling: each node's target is a draw; acceptance is then the same test
             # node i draws output number (host's count) + (tokens accepted since) + depth(i)
-            window = (base - self.known_base[:padded])[:, None] + tree.depths[None]  # [Bp, N]
-            uniforms = self.uniforms[:padded].gather(1, window.clamp(max=self.uniforms.shape[1] - 1))
+            root_window = base - self.known_base[:padded]  # [Bp]
+            uniforms = self._uniforms_at(root_window[:, None] + tree.depths[None])  # [Bp, N]
             drawn = sampled_targets(logits.view(padded, n, -1), self.temperature[:padded], self.top_k[:padded],
                                     self.top_p[:padded], uniforms, filtered=sampling == FILTERED)
             targets = torch.where(self.sampled[:padded, None], drawn, targets)
         verdict(tree, candidates, targets, self.best[:padded], self.next[:padded])
-        return _Part1(candidates, hidden, logits, prompt_hidden)
+        return _Part1(candidates, hidden, logits, prompt_hidden, root_window)
+
+    def _uniforms_at(self, window: torch.Tensor) -> torch.Tensor:
+        """window [Bp, W] columns of each row's uniforms (output positions from the host's count) -> [Bp, W]
+        float64; columns past the buffer read its last one (junk for a draw no row can emit)."""
+        return self.uniforms[: window.shape[0]].gather(1, window.clamp(max=self.uniforms.shape[1] - 1))
 
     def _part2(self, tree: DeviceTree, padded: int, part1: _Part1, propose: bool = True) -> torch.Tensor:
         n = tree.num_nodes
@@ -401,8 +410,29 @@ class DecodeStep:
         if self.kmax and (propose or tree.num_nodes > 1):
             at_best = part1.hidden.view(padded, n, -1)[torch.arange(padded, device=self.device), best]  # [Bp, H]
             head_logits = self.heads(at_best, self.model.lm_head.weight, roots=next_tokens)  # [K, Bp, V]
-            self.topk[rows] = top_k_indices(head_logits, self.kmax).transpose(0, 1)
+            top = top_k_indices(head_logits, self.kmax)  # [K, Bp, kmax]
+            if part1.root_window is not None:  # the next step's root target: one past this step's last token
+                top = self._coupled_proposals(head_logits, top, part1.root_window + tree.depths[best] + 1)
+            self.topk[rows] = top.transpose(0, 1)
         return packed  # [Bp, D + 3]: count, D + 1 tokens, best (did the lookup chain win)
+
+    def _coupled_proposals(self, head_logits: torch.Tensor, top: torch.Tensor, root_window: torch.Tensor) -> torch.Tensor:
+        """A sampled row's proposals: each head's kmax best of logits / T + the Gumbel noise that its position
+        will be drawn with (head k: the next root's target + k, `root_window` [Bp] that of the next root),
+        in place of its kmax most likely tokens (`top` [K, Bp, kmax], kept for the other rows).
+
+        A node's target is the base's draw argmax(base logits / T + G) at its position, whatever was proposed,
+        so outputs do not change; but a head whose distribution is near the base's proposes, under the same
+        noise, the very token the base will draw, where its most likely token matches that draw only as often
+        as the base picks it. A seeded request's noise is fixed per position (`TokenSampler`); so is an
+        unseeded one's, whose sampler gets a random seed."""
+        k, bp, vocab = head_logits.shape
+        window = root_window[:, None] + torch.arange(k, device=self.device)[None]  # [Bp, K]
+        uniforms = self._uniforms_at(window).T.reshape(-1)  # [K * Bp], head-major as the logits
+        temperature = self.temperature[:bp].repeat(k)
+        none = torch.full((k * bp,), float("-inf"), device=self.device)
+        coupled = gumbel_top_k(head_logits.reshape(k * bp, vocab), temperature, none, uniforms, self.kmax)
+        return torch.where(self.sampled[:bp, None], coupled.view(k, bp, -1), top)
 
     # ---- CUDA graphs ------------------------------------------------------
 

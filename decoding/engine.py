@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import random
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -268,7 +269,9 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         stop_ids = frozenset() if params.ignore_eos else frozenset(self.eos | set(params.stop_token_ids))
         for index in range(params.n):
-            seed = None if params.seed is None else params.seed + index
+            # unseeded: a random seed, so that each output position's noise is fixed before its draw and the
+            # heads can propose under it (`DecodeStep._coupled_proposals`); draws stay independent
+            seed = random.getrandbits(64) if params.seed is None else params.seed + index
             sub = rid if params.n == 1 else f"{rid}#{index}"
             detok = _detokenizer(self.tokenizer, params)
             request = _Request(Sequence(sub, ids), params, TokenSampler(seed), detok, parent_id=rid, index=index,
@@ -341,19 +344,21 @@ class LLMEngine:
         first_trees = lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]]))  # noqa: E731
         self._capture_mixed(timed, first_trees, sampling)
         if sampling:
-            self._capture_sampled_trials(timed)
+            self._capture_sampled_trials(timed, first_trees)
         return {b: self.policy.choose(b).label for b in buckets}
 
-    def _capture_sampled_trials(self, buckets: list[int]) -> None:
-        """The temperature-only step of every tree timed at each bucket. A bucket's trials and revisits run
+    def _capture_sampled_trials(self, buckets: list[int], captured) -> None:
+        """The temperature-only step of every tree timed at each bucket but those `captured(bucket)` (with
+        `_capture_mixed`'s). A bucket's trials and revisits run
         trees other than its first, and sampled rows accept less than the greedy priors say, so they often
         settle elsewhere; their greedy graphs are captured by the timing, their sampled ones were not: on an
         H200 the first run of a level captured 3-10 of them (55-85 ms each), 0.73-0.90x of plain decoding
         against 1.15-1.41x once captured (benchmarks/RESULTS.md, session 23)."""
         step = self.runner.decode
         for bucket in buckets:
+            done = captured(bucket)
             for tree in self.policy.step_cost[bucket]:
-                if tree.num_nodes > 1:
+                if tree.num_nodes > 1 and tree not in done:
                     step.capture(self._device_tree(tree), bucket, sampling=SAMPLED)
 
     def _time_trees(self, bucket: int, trees: list[TreeSpec], context: int) -> None:
@@ -744,20 +749,19 @@ class LLMEngine:
         """Device-side sampling settings for a sampling row the host does not handle; None otherwise.
 
         Node i's target is output number num_output_tokens + (tokens of steps in flight) + depth(i);
-        its uniform is the one the host sampler would use there (a fresh one per step if unseeded).
-        A first token drawn on the device and not read back yet counts as an output. tree=None: the
-        first token's own draw (one uniform).
+        its uniform is the one the host sampler would use there. The heads' proposals for the next
+        step reach as many positions further (`DecodeStep._coupled_proposals`), up to the device
+        buffer's width. A first token drawn on the device and not read back yet counts as an output.
+        tree=None: the first token's own draw (one uniform).
         """
         sampling = request.sampling
         if sampling.greedy or self._needs_host(request):
             return None
         # from the host's output count on: the steps in flight (up to M tokens) come before this one's
-        depths = request.seq.num_inflight_tokens + tree.spec.max_depth + 1 if tree is not None else 1
+        step = self.runner.decode
+        reach = request.seq.num_inflight_tokens + tree.spec.max_depth + 1 + step.num_heads if tree is not None else 1
         start = request.seq.num_output_tokens + request.first_pending
-        if request.sampler.seed is None:
-            uniforms = np.random.random(depths)
-        else:
-            uniforms = request.sampler.window(start, depths)
+        uniforms = request.sampler.window(start, min(reach, step.uniforms.shape[1]))
         return RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, uniforms)
 
     # ---- helpers ---------------------------------------------------------

@@ -21,7 +21,10 @@ with filters and one without draw the same token for a row without any.
 
 Contract: logits [R, V] float; temperature [R] float32 > 0; cutoff [R] float32
 (-inf: none); uniforms [R] float64 in [0, 1) -> tokens [R] long, the first
-maximum of the scores (equal scores: lowest token).
+maximum of the scores (equal scores: lowest token). `gumbel_top_k`: the k best
+scores' tokens [R, k], best first, equal scores by lowest token: a Medusa head's
+proposals for a sampled row, perturbed by the noise its position will be drawn
+with (`decode_step.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from medusa.kernels.dispatch import use_triton
+from medusa.kernels.top_k import MAX_K, top_k_reference
 
 MASK32 = 0xFFFFFFFF
 ROW_CHUNK = 64  # rows whose [rows, V] noise the reference builds at once (bounded memory on a CPU)
@@ -52,21 +56,34 @@ def gumbel_noise(uniforms: torch.Tensor, vocab: int) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def gumbel_argmax_reference(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor,
-                            uniforms: torch.Tensor) -> torch.Tensor:
-    """The contract in PyTorch, ROW_CHUNK rows at a time."""
-    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+def perturbed_scores(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor,
+                     uniforms: torch.Tensor) -> torch.Tensor:
+    """[R, V] float32: x / T + G, -inf below the cutoff (the scores the contract ranks)."""
+    x = logits.float()
+    score = x / temperature[:, None] + gumbel_noise(uniforms, x.shape[-1])
+    return score.masked_fill(x < cutoff[:, None], float("-inf"))
+
+
+def gumbel_top_k_reference(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor,
+                           uniforms: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """The contract in PyTorch, ROW_CHUNK rows at a time -> [R, k]."""
+    out = torch.empty(logits.shape[0], k, dtype=torch.long, device=logits.device)
     for start in range(0, logits.shape[0], ROW_CHUNK):
         rows = slice(start, start + ROW_CHUNK)
-        x = logits[rows].float()
-        score = x / temperature[rows, None] + gumbel_noise(uniforms[rows], x.shape[-1])
-        out[rows] = score.masked_fill(x < cutoff[rows, None], float("-inf")).argmax(-1)
+        score = perturbed_scores(logits[rows], temperature[rows], cutoff[rows], uniforms[rows])
+        out[rows] = score.argmax(-1, keepdim=True) if k == 1 else top_k_reference(score, k)
     return out
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor,
-                  uniforms: torch.Tensor) -> torch.Tensor:
-    """One draw per row (the contract): the Triton kernels on a GPU, the reference elsewhere."""
+def gumbel_argmax_reference(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor,
+                            uniforms: torch.Tensor) -> torch.Tensor:
+    return gumbel_top_k_reference(logits, temperature, cutoff, uniforms)[:, 0]
+
+
+def gumbel_top_k(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor,
+                 uniforms: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """[R, k] tokens of the k best perturbed scores (the contract): the Triton kernels on a GPU, the reference
+    elsewhere."""
     rows = logits.shape[0]
     if logits.dim() != 2 or any(t.shape != (rows,) for t in (temperature, cutoff, uniforms)):
         raise ValueError(f"gumbel_argmax: logits must be [R, V] and temperature, cutoff, uniforms [R], got "
@@ -75,8 +92,16 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch
     if uniforms.dtype != torch.float64 or not temperature.is_floating_point() or not cutoff.is_floating_point():
         raise ValueError(f"gumbel_argmax: uniforms must be float64 and temperature, cutoff float, got "
                          f"{uniforms.dtype}, {temperature.dtype}, {cutoff.dtype}")
-    if use_triton(logits) and logits.numel():
-        from medusa.kernels.gumbel_sample_triton import gumbel_argmax_triton
+    if not 0 < k <= logits.shape[-1]:
+        raise ValueError(f"gumbel_top_k: k must be in 1..{logits.shape[-1]} for rows of {logits.shape[-1]}, got {k}")
+    if use_triton(logits) and logits.numel() and k <= MAX_K:  # each selection round is two reductions
+        from medusa.kernels.gumbel_sample_triton import gumbel_top_k_triton
 
-        return gumbel_argmax_triton(logits, temperature.float(), cutoff.float(), uniforms)
-    return gumbel_argmax_reference(logits, temperature.float(), cutoff.float(), uniforms)
+        return gumbel_top_k_triton(logits, temperature.float(), cutoff.float(), uniforms, k)
+    return gumbel_top_k_reference(logits, temperature.float(), cutoff.float(), uniforms, k)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor,
+                  uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row [R] (the contract)."""
+    return gumbel_top_k(logits, temperature, cutoff, uniforms)[:, 0]

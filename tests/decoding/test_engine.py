@@ -318,7 +318,8 @@ def test_a_seeded_request_draws_the_same_tokens_beside_a_top_p_row(tiny):
 def test_warmup_captures_sampled_steps_graphs_when_asked(tiny, monkeypatch):
     """The graph calls warmup makes, on a CPU standing in for a GPU: with sampling=True, every (batch bucket,
     tree) whose greedy graphs it captures for prompt chunks also gets its sampled graphs, with and without
-    prompt chunks (a server's requests sample by default: those graphs would be captured mid-run)."""
+    prompt chunks (a server's requests sample by default: those graphs would be captured mid-run), and
+    every other tree timed at a bucket its sampled graph without prompts (the bucket's trials run it)."""
     model, heads = tiny
     captured = {}
     for sampling in (False, True):
@@ -335,8 +336,10 @@ def test_warmup_captures_sampled_steps_graphs_when_asked(tiny, monkeypatch):
     greedy, both = set(captured[False]), set(captured[True])
     assert greedy and all(not sampled and tokens > 0 for _, _, sampled, tokens, _ in greedy)  # the mixed graphs
     assert set(chosen) == {b for b, *_ in greedy}  # every timed bucket
+    trials = {(b, tree.label, True, 0, True) for b in chosen for tree in engine.policy.step_cost[b] if tree.num_nodes > 1}
+    assert len({t for b, t, *_ in trials}) > len({t for b, t, *_ in greedy if t != "single"})  # more trees than run first
     assert both == (greedy | {(b, t, True, n, p) for b, t, _, n, p in greedy}
-                    | {(b, t, True, 0, p) for b, t, _, _, p in greedy})
+                    | {(b, t, True, 0, p) for b, t, _, _, p in greedy} | trials)
     assert len(captured[True]) == len(both)  # each graph once
     # plain steps run the heads until a bucket settles on plain decoding, then not: both graphs of each shape
     plain = engine.policy.plain[1].label
@@ -378,3 +381,27 @@ def test_warmup_rejects_a_batch_limit_below_one(tiny):
     with pytest.raises(ValueError, match="max_batch must be >= 1"):
         engine.warmup(max_batch=0)
     assert engine.warmup(max_batch=1) == {}  # a no-op on the CPU, as warmup() is
+
+
+def test_a_sampled_rows_head_proposals_are_drawn_with_the_noise_of_their_positions(tiny):
+    """Coupled proposals: head k of a sampled row ranks its logits / T plus the Gumbel noise of output
+    position (next root's target + k), so a head whose logits were the base's would propose exactly the
+    token the base then draws there (`sampled_targets`); a greedy row keeps its heads' most likely tokens."""
+    from medusa.decoding.batch_verify import sampled_targets
+    from medusa.kernels.top_k import top_k_indices
+
+    model, heads = tiny
+    step = make_engine(model, heads).runner.decode
+    g = torch.Generator().manual_seed(8)
+    step.uniforms[:2] = torch.rand(2, step.uniforms.shape[1], generator=g, dtype=torch.float64)
+    step.temperature[:2] = torch.tensor([0.8, 1.0])
+    step.sampled[:2] = torch.tensor([True, False])
+    head_logits = torch.randn(step.num_heads, 2, VOCAB, generator=g) * 3  # [K, Bp, V]
+    top = top_k_indices(head_logits, step.kmax)
+    got = step._coupled_proposals(head_logits, top, torch.tensor([3, 5]))
+    assert got.shape == top.shape and torch.equal(got[:, 1], top[:, 1])  # the greedy row
+    for k in range(step.num_heads):
+        drawn = sampled_targets(head_logits[k, :1, None], step.temperature[:1], torch.zeros(1, dtype=torch.long),
+                                torch.ones(1), step.uniforms[:1, 3 + k, None])
+        assert got[k, 0, 0] == drawn[0, 0], k
+    assert not torch.equal(got[:, 0], top[:, 0])  # the noise moved some proposals

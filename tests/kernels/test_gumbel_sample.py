@@ -10,8 +10,11 @@ from medusa.kernels.gumbel_sample import (  # noqa: E402
     gumbel_argmax,
     gumbel_argmax_reference,
     gumbel_noise,
+    gumbel_top_k,
+    gumbel_top_k_reference,
+    perturbed_scores,
 )
-from medusa.kernels.gumbel_sample_triton import gumbel_argmax_triton  # noqa: E402
+from medusa.kernels.gumbel_sample_triton import gumbel_argmax_triton, gumbel_top_k_triton  # noqa: E402
 
 from kernel_inputs import DEVICE, rand  # noqa: E402
 
@@ -30,9 +33,7 @@ def inputs(seed, rows, width, dtype=torch.float32, filtered=True):
     return x, temperature, cutoff, uniforms
 
 
-def reference_scores(x, temperature, cutoff, uniforms):
-    s = x.float() / temperature[:, None] + gumbel_noise(uniforms, x.shape[-1])
-    return s.masked_fill(x.float() < cutoff[:, None], float("-inf"))
+reference_scores = perturbed_scores
 
 
 # widths within one chunk, over several, a ragged last chunk; float32, bfloat16 (many equal logits)
@@ -49,6 +50,21 @@ def test_kernel_draws_what_the_reference_draws(seed, rows, width, dtype):
     assert torch.all((got == want) | (scores.gather(1, got[:, None])[:, 0] >= best - 1e-5 * best.abs()))
     assert (got == want).float().mean() >= 0.8
     assert torch.all(x.float().gather(1, got[:, None])[:, 0] >= cutoff)  # never a filtered token
+
+
+@pytest.mark.parametrize("seed,width,k", [(8, 700, 4), (9, 2500, 10)])
+def test_top_k_of_perturbed_scores_matches_a_stable_sort(seed, width, k):
+    """gumbel_top_k, a sampled row's head proposals: the k best of x / T + G, best first."""
+    x, temperature, cutoff, uniforms = inputs(seed, 5, width, filtered=False)
+    got = gumbel_top_k_triton(x, temperature, cutoff, uniforms, k)
+    want = gumbel_top_k_reference(x, temperature, cutoff, uniforms, k)
+    assert got.shape == (5, k)
+    scores = reference_scores(x, temperature, cutoff, uniforms)
+    # the same tokens, or (a logarithm's last bit apart on a GPU) ones whose scores tie the reference's
+    assert torch.allclose(scores.gather(1, got), scores.gather(1, want), rtol=1e-5)
+    assert torch.equal(got[:, 0], gumbel_argmax_triton(x, temperature, cutoff, uniforms))
+    with pytest.raises(ValueError, match="k must be in"):
+        gumbel_top_k(x, temperature, cutoff, uniforms, width + 1)
 
 
 def test_a_rows_draw_depends_on_its_logits_and_uniform_only():
