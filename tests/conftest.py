@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Iterator
 
-# `python -m pytest` puts the working directory (the checkout) first on sys.path, where this repository's
-# top-level `kernels/` (installed as `medusa.kernels`) would shadow the Hugging Face package `kernels`, which
-# transformers >= 5.25 imports. The tests import the package as installed, so the checkout's root goes.
-_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # Without a GPU, Triton kernels run in its interpreter: set before any kernel is imported.
 if not torch.cuda.is_available():
