@@ -101,7 +101,9 @@ class StallLog:
 
 def decode_graph_name(tree: str, padded: int, sampling: int, propose: bool, prompt_tokens: int,
                       kv_bound: int | None) -> str:
-    kinds = {0: "greedy", 1: "sampled", 2: "filtered"}
+    from medusa.decoding.decode_step import FILTERED, GREEDY, SAMPLED
+
+    kinds = {GREEDY: "greedy", SAMPLED: "sampled", FILTERED: "filtered"}
     name = f"{padded} rows, {tree}, {kinds.get(int(sampling), sampling)}, {'heads' if propose else 'no heads'}"
     name += f", {prompt_tokens} prompt tokens" if prompt_tokens else ""
     return name + (f", keys <= {kv_bound}" if kv_bound else "")

@@ -107,7 +107,7 @@ class TokenSampler:
         -> tokens [N], drawn from `target_probs(logits, config)` row by row."""
         rows = logits.shape[0]
         if self.seed is None:
-            uniforms = torch.rand(rows, dtype=torch.float64)
+            uniforms = torch.rand(rows, dtype=torch.float64, device=logits.device)  # no copy up from the host
         else:
             uniforms = self.uniforms(self.seed, positions)
         temperature, top_k, top_p = _per_row(config, rows, logits.device)

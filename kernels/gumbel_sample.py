@@ -86,11 +86,11 @@ def gumbel_top_k(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.
     elsewhere."""
     rows = logits.shape[0]
     if logits.dim() != 2 or any(t.shape != (rows,) for t in (temperature, cutoff, uniforms)):
-        raise ValueError(f"gumbel_argmax: logits must be [R, V] and temperature, cutoff, uniforms [R], got "
+        raise ValueError(f"gumbel_top_k: logits must be [R, V] and temperature, cutoff, uniforms [R], got "
                          f"{tuple(logits.shape)}, {tuple(temperature.shape)}, {tuple(cutoff.shape)}, "
                          f"{tuple(uniforms.shape)}")
     if uniforms.dtype != torch.float64 or not temperature.is_floating_point() or not cutoff.is_floating_point():
-        raise ValueError(f"gumbel_argmax: uniforms must be float64 and temperature, cutoff float, got "
+        raise ValueError(f"gumbel_top_k: uniforms must be float64 and temperature, cutoff float, got "
                          f"{uniforms.dtype}, {temperature.dtype}, {cutoff.dtype}")
     if not 0 < k <= logits.shape[-1]:
         raise ValueError(f"gumbel_top_k: k must be in 1..{logits.shape[-1]} for rows of {logits.shape[-1]}, got {k}")

@@ -54,9 +54,9 @@ def gumbel_top_k_triton(logits: torch.Tensor, temperature: torch.Tensor, cutoff:
     """logits [R, V] (float16/bfloat16/float32); temperature, cutoff [R] float32; uniforms [R] float64
     -> [R, k] long: the k best perturbed scores' tokens, best first (k = 1: the draw)."""
     if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"gumbel_argmax: logits must be float16, bfloat16 or float32, got {logits.dtype}")
+        raise ValueError(f"gumbel_top_k: logits must be float16, bfloat16 or float32, got {logits.dtype}")
     if temperature.dtype != torch.float32 or cutoff.dtype != torch.float32 or uniforms.dtype != torch.float64:
-        raise ValueError(f"gumbel_argmax: temperature and cutoff must be float32 and uniforms float64, got "
+        raise ValueError(f"gumbel_top_k: temperature and cutoff must be float32 and uniforms float64, got "
                          f"{temperature.dtype}, {cutoff.dtype}, {uniforms.dtype}")
     rows, width = logits.shape
     if logits.stride(-1) != 1:
