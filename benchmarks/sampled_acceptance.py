@@ -1,6 +1,6 @@
 """Tokens a step for sampled requests with the heads' proposals coupled to the draws' noise and without
 (`DecodeStep._coupled_proposals`), on the same seeded requests: the outputs must not change, only how many
-steps they take. One Spec-Bench question per category (first turns), the default model and heads.
+steps they take. --per-category Spec-Bench questions per category (first turns), the default model and heads.
 
     python benchmarks/sampled_acceptance.py --out out/sampled_acceptance.json            # CPU, float32
     python benchmarks/sampled_acceptance.py --device cuda --dtype bfloat16 --out ...      # a GPU
@@ -41,12 +41,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--per-category", type=int, default=1, help="Spec-Bench questions per category (of 13)")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = p.parse_args()
     model = MedusaModel.from_pretrained(dtype=getattr(torch, args.dtype), device=args.device)
-    questions = load_questions(SPEC_BENCH, 1)
+    questions = load_questions(SPEC_BENCH, args.per_category)
     prompts = [model.encode([{"role": "user", "content": q["turns"][0]}]) for q in questions]
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=100 + i)
               for i in range(len(prompts))]
