@@ -17,9 +17,9 @@ run() {  # run STAGE COMMAND...: log it, keep going when one stage fails
 for stage in $stages; do
     case $stage in
         tests) run tests python3 -m pytest -q -m gpu tests --ignore tests/test_notebooks.py ;;
-        kernels) run kernels bash -c "python3 benchmarks/kernels.py --shape llama-3.1-8b --out $out/kernels/llama-3.1-8b \
-                 && python3 benchmarks/kernels.py --shape llama-3.2-1b --skip-attention --kernel-profile --out $out/kernels/llama-3.2-1b \
-                 && python3 benchmarks/kernels.py --shape smollm2-135m --skip-attention --kernel-profile --out $out/kernels/smollm2-135m" ;;
+        kernels) run kernels bash -c "python3 benchmarks/kernel_bench.py --shape llama-3.1-8b --out $out/kernels/llama-3.1-8b \
+                 && python3 benchmarks/kernel_bench.py --shape llama-3.2-1b --skip-attention --kernel-profile --out $out/kernels/llama-3.2-1b \
+                 && python3 benchmarks/kernel_bench.py --shape smollm2-135m --skip-attention --kernel-profile --out $out/kernels/smollm2-135m" ;;
         throughput) run throughput python3 benchmarks/throughput.py --max-tokens 128 --profile-steps --out "$out/throughput" ;;
         spec_bench) run spec_bench python3 benchmarks/spec_bench.py --hf-per-category 1 --out "$out/spec_bench" ;;
         serving) run serving python3 benchmarks/serving.py --out "$out/serving" ;;

@@ -82,13 +82,13 @@ def test_head_accuracy_rejects_unusable_heads_before_generating(tmp_path):
 
 
 def run_kernels_script(out: Path, *args: str) -> subprocess.CompletedProcess:
-    """benchmarks/kernels.py at full size (no --quick), for its argument checks."""
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), *args, "--out", str(out)],
+    """benchmarks/kernel_bench.py at full size (no --quick), for its argument checks."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_bench.py"), *args, "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_kernels_quick(tmp_path):
-    results = run("kernels.py", tmp_path, "--step-context", "40")
+    results = run("kernel_bench.py", tmp_path, "--step-context", "40")
     assert [r["context"] for r in results["attention"]] == [64, 128] and results["step_context"] == 40
     assert {(r["batch"], r["tree_tokens"]) for r in results["steps"]} == {(1, 1), (1, 4), (2, 1), (2, 4)}
     assert all(r["seconds"] > 0 for r in results["steps"]) and results["launch_sweep"] == []

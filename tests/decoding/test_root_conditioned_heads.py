@@ -12,8 +12,8 @@ from medusa.decoding.generator import TreeDecoder
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.verifier import SamplingConfig
 from medusa.tree import TreeSpec
-from tests.engine_driver import random_prompts, single_thread
-from tests.tiny_models import tiny_decoder
+from engine_driver import random_prompts, single_thread
+from tiny_models import tiny_decoder
 
 VOCAB = 24
 TOKENS = 24

@@ -10,8 +10,8 @@ from medusa.decoding.speculation_gate import REVISIT_STEPS, TRIAL_STEPS, WINDOW,
 from medusa.decoding.tree_policy import MARGIN
 from medusa.decoding.verifier import SamplingConfig
 from medusa.tree import TreeSpec
-from tests.engine_driver import random_prompts, single_thread
-from tests.tiny_models import tiny_decoder
+from engine_driver import random_prompts, single_thread
+from tiny_models import tiny_decoder
 
 VOCAB = 24
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from medusa.decoding import tree_select
-from tests.tiny_models import tiny_decoder
+from tiny_models import tiny_decoder
 
 ACCURACIES = [[0.6 * 0.8 ** h * 0.3 ** r for r in range(8)] for h in range(4)]  # [heads][ranks]
 

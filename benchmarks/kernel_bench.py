@@ -1,8 +1,8 @@
 """Kernel and step-cost curves: tree-attention bandwidth, verification cost against tree size.
 
-    python benchmarks/kernels.py --out out/kernels                 # GPU, full size
-    python benchmarks/kernels.py --quick --out out/kernels-quick   # CPU smoke run (CI)
-    python benchmarks/kernels.py --launch-sweep --skip-steps --out out/sweep   # GPU: attention launch settings
+    python benchmarks/kernel_bench.py --out out/kernels                 # GPU, full size
+    python benchmarks/kernel_bench.py --quick --out out/kernels-quick   # CPU smoke run (CI)
+    python benchmarks/kernel_bench.py --launch-sweep --skip-steps --out out/sweep   # GPU: attention launch settings
 
 1. Tree attention over paged KV (batch 32, 64 tree tokens, 8 KV heads of 128,
    32 query heads by default) at growing contexts: achieved KV read bandwidth,
