@@ -172,7 +172,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_kv_len: a host-side bound on the sequences' keys, used only to pick that count (None: the
     block table's width); a longer sequence is still attended in full, by fewer programs.
     launch: num_warps / num_stages instead of `_launch_config`'s, and optionally block_m / block_n
-    (benchmarks/kernels.py --launch-sweep).
+    (benchmarks/kernel_bench.py --launch-sweep).
     """
     _check(q, k_cache, v_cache, block_tables, kv_lens, query_start, causal, step_bits, block_size)
     num_seqs = block_tables.shape[0]

@@ -148,8 +148,8 @@ def test_graph_engine_with_prompt_lookup_matches_plain_greedy(default_model_dir)
 
 
 def test_warmup_with_sampling_captures_the_sampled_steps_graphs(default_model_dir):
-    """warmup(sampling=True), a server's: a sampled request's steps replay graphs captured already, on the
-    tree warmup chose and on the other trees the bucket tries (one request: no prompt rides in a step)."""
+    """warmup(sampling=True), a server's: a sampled request's steps replay graphs captured already, whichever
+    of the bucket's timed trees they run (one request: no prompt rides in a step)."""
     model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
     engine = model.engine()
     engine.warmup(max_batch=1, sampling=True)
@@ -165,8 +165,12 @@ def test_warmup_with_sampling_captures_the_sampled_steps_graphs(default_model_di
     prompt = model.encode([{"role": "user", "content": "Write a haiku about the sea."}])
     out = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.8, seed=3))[0]
     assert len(out.token_ids) > 0 and captured == [], captured
-    ran = set(engine.stats().steps_per_tree)
-    assert ran - {engine.policy.plain[1].label}, ran  # trees ran, not plain decoding alone
+    # Whether trees run at all is the policy's call (at one sampled request plain decoding may win from the
+    # start; session 24's H200 ran plain alone here), so check what decides it: every tree the bucket may
+    # try has its sampled graph already.
+    sampled = {key[1] for key in step._graphs if key[0] == 1 and key[2]}
+    timed = set(engine.policy.step_cost[1])
+    assert any(tree.num_nodes > 1 for tree in timed) and timed <= sampled, (timed - sampled)
 
 
 def test_warmup_of_one_batch_bucket_serves_any_batch(default_model_dir):

@@ -147,7 +147,7 @@ def test_a_key_bound_sets_the_split_count_but_never_drops_keys():
 
 @pytest.mark.parametrize("block_m,block_n", [(128, 64), (16, 32)])
 def test_tile_sizes_match_reference(block_m, block_n):
-    """The row-tile and key-chunk sizes a launch may override (benchmarks/kernels.py --launch-sweep)."""
+    """The row-tile and key-chunk sizes a launch may override (benchmarks/kernel_bench.py --launch-sweep)."""
     kinds, prefixes, hq, hkv = PHASE_LAYOUTS["tree"]
     batch, max_q = random_batch(40 + block_m, kinds, 0, hq, hkv, 32, 16, torch.float32,
                                 num_blocks=256, prefixes=prefixes)
