@@ -39,7 +39,6 @@ from common import SHAPES
 from plotting import pyplot
 
 
-
 def timed(fn, repeats: int, device: torch.device) -> float:
     """Median seconds of fn() after one warm-up, timed with CUDA events on a GPU."""
     fn()

@@ -46,6 +46,11 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = p.parse_args()
+    for flag, value in (("--per-category", args.per_category), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    if not args.temperature > 0:
+        p.error(f"--temperature must be > 0 (the comparison is of sampled requests), got {args.temperature}")
     model = MedusaModel.from_pretrained(dtype=getattr(torch, args.dtype), device=args.device)
     questions = load_questions(SPEC_BENCH, args.per_category)
     prompts = [model.encode([{"role": "user", "content": q["turns"][0]}]) for q in questions]

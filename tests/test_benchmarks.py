@@ -277,6 +277,16 @@ def test_throughput_rejects_a_negative_temperature(tmp_path):
     assert done.returncode == 2 and "--temperature must be >= 0, got -1.0" in done.stderr
 
 
+@pytest.mark.parametrize("flag, value, message", [("--per-category", "0", "--per-category must be >= 1, got 0"),
+                                                  ("--max-tokens", "0", "--max-tokens must be >= 1, got 0"),
+                                                  ("--temperature", "0", "--temperature must be > 0")])
+def test_sampled_acceptance_rejects_bad_settings_before_loading(tmp_path, flag, value, message):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sampled_acceptance.py"), "--out",
+                           str(tmp_path / "out.json"), flag, value], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
 def test_host_time_quick(default_model_dir, tmp_path):
     results = run("host_time.py", tmp_path)
     assert [level["mode"] for level in results["levels"]] == ["plain", "medusa"]
