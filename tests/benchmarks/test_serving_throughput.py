@@ -1,0 +1,108 @@
+"""serving.py, throughput.py and host_time.py on the CPU."""
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+from bench_scripts import ROOT, run
+
+pytestmark = pytest.mark.slow
+
+
+def test_serving_quick(default_model_dir, tmp_path):
+    results = run("serving.py", tmp_path)
+    rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
+    assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 2)}
+    for (mode, c), row in rows.items():
+        assert row["failed"] == 0 and row["requests"] == 2 * c
+        assert row["request_throughput"] > 0 and row["output_tok_s"] > 0
+        assert row["output_tokens"] == 8 * row["requests"]  # ignore_eos: every request makes max_tokens
+        assert 0 < row["ttft_p50"] <= row["ttft_p99"] and 0 < row["tpot_p50"] <= row["tpot_p99"]
+    assert rows[("medusa", 1)]["mean_accepted_length"] >= 1.0  # the server's counters moved
+    assert results["environment"]["server_exit_code"] == 0  # SIGTERM: a clean shutdown
+    assert results["environment"]["kv_blocks"] == 512  # the CPU's pool; a GPU sizes it from free memory
+    assert results["environment"]["prompt_lookup"] == 0  # none by default on a CPU
+    assert (tmp_path / "serving.png").stat().st_size > 0
+
+
+def test_throughput_quick(tmp_path):
+    results = run("throughput.py", tmp_path, "--profile-steps", "--trace-steps", "--host-profile", "--gpu-trace",
+                  "--length-spread", "0.5")
+    rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
+    assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 4)}
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput import answer_lengths
+
+    for (mode, c), row in rows.items():
+        lengths = answer_lengths(3 * c, 8, 0.5)  # ignore_eos: every answer is as long as its max_tokens
+        assert row["requests"] == 3 * c and row["tokens"] == sum(lengths) and len(set(lengths)) > 1
+        assert row["tok_s"] > 0 and row["mean_accepted_length"] >= 1.0
+        assert len(row["tok_s_runs"]) == 3 and row["tok_s"] == sorted(row["tok_s_runs"])[1]  # the median of 3
+        assert row["graphs_captured_runs"] == [0] * 3 and row["capture_s_runs"] == [0.0] * 3  # no graphs on a CPU
+        # nothing compiled (Triton's interpreter runs the kernels as Python)
+        assert row["triton_compiles_runs"] == [0] * 3 and row["compile_s_runs"] == [0.0] * 3
+        assert sum(row["decode_steps_per_tree"].values()) > 0 and 1 <= row["mean_decode_batch"] <= c
+        assert row["tree_decisions"] == {}  # no measured tree policy on the CPU
+    assert rows[("plain", 1)]["speedup"] == 1.0
+    for (mode, c), row in rows.items():  # runs alternate between the modes: each over the plain run before it
+        plain = rows[("plain", c)]["tok_s_runs"]
+        assert row["speedup_runs"] == [t / p for t, p in zip(row["tok_s_runs"], plain)] and len(plain) == 3
+    for row in rows.values():  # --profile-steps: the same level again with every phase timed
+        phases = row["phases"]
+        assert phases["decode_steps"] > 0 and phases["part1_ms"] > 0 and phases["prepare_ms"] > 0
+        assert min(v for k, v in phases.items() if k.endswith("_ms")) >= 0
+    for (mode, c), row in rows.items():  # --trace-steps: and once more with every engine step recorded
+        steps = json.loads((tmp_path / f"trace_tiny_{mode}_c{c}.json").read_text())
+        kinds = row["trace"]["kinds"]
+        assert sum(k["steps"] for k in kinds.values()) == len(steps) > 0
+        decoded = [s for s in steps if s["rows"]]  # 3 x C requests of 8 tokens, at most C at a time
+        assert all(1 <= s["rows"] <= c and s["padded"] >= s["rows"] for s in decoded)
+        # each request's 7 tokens after its first take decode rows that emit at most 5 (4 heads + root) each
+        assert sum(s["rows"] for s in decoded) >= 3 * c * 7 / 5
+        assert all(s["ms"] > 0 for s in steps) and any(s["prefilled"] or s["carried"] for s in steps)
+    for (mode, c), row in rows.items():  # --host-profile: and once more under cProfile
+        profile = row["host_profile"]
+        assert profile["seconds"] > 0 and len(profile["top_own_time"]) == 12
+        own = [seconds for _, _, seconds, _ in profile["top_own_time"]]
+        assert own == sorted(own, reverse=True) and own[0] <= profile["seconds"]
+        report = (tmp_path / f"host_profile_tiny_{mode}_c{c}.txt").read_text()
+        assert "engine.py" in report and "(step)" in report
+    for (mode, c), row in rows.items():  # --gpu-trace: and once more under torch.profiler (no kernels on a CPU)
+        assert "no device events" in row["gpu_trace"]["error"]
+        with gzip.open(tmp_path / f"gpu_trace_tiny_{mode}_c{c}.json.gz", "rt") as f:
+            assert any(e.get("name", "").startswith("aten::") for e in json.load(f)["traceEvents"])
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+
+
+def test_throughput_rejects_a_bad_length_spread(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--out",
+                           str(tmp_path), "--length-spread", "1.5"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and "--length-spread must be in [0, 1), got 1.5" in done.stderr
+
+
+def test_throughput_quick_with_seeded_sampled_requests(tmp_path):
+    results = run("throughput.py", tmp_path, "--temperature", "0.7", "--repeats", "1")
+    assert results["temperature"] == 0.7
+    rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
+    assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 4)}
+    assert all(r["tok_s"] > 0 and r["tokens"] == 3 * r["concurrency"] * 8 for r in rows.values())
+
+
+def test_throughput_rejects_a_negative_temperature(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--out",
+                           str(tmp_path), "--temperature", "-1"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and "--temperature must be >= 0, got -1.0" in done.stderr
+
+
+def test_host_time_quick(default_model_dir, tmp_path):
+    results = run("host_time.py", tmp_path)
+    assert [level["mode"] for level in results["levels"]] == ["plain", "medusa"]
+    for level in results["levels"]:
+        parts = level["ms_per_step"]
+        assert len(level["host_ms_runs"]) == 2 and parts["host_ms"] == min(level["host_ms_runs"])
+        assert 0 < parts["schedule"] < parts["step"] and 0 < parts["append"] < parts["apply_rows"] < parts["step"]
+        assert parts["start_decoding"] > 0  # requests were admitted
+    detok = results["detokenizer_us_per_token"]
+    assert set(detok) == {"stream", "window_rust", "window_transformers"} and min(detok.values()) > 0

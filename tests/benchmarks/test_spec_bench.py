@@ -1,0 +1,20 @@
+"""spec_bench.py --quick: the systems side by side on 4 questions."""
+
+
+
+import pytest
+from bench_scripts import run
+
+pytestmark = pytest.mark.slow
+
+
+def test_spec_bench_quick(default_model_dir, tmp_path):
+    results = run("spec_bench.py", tmp_path, "--hf-per-category", "1")
+    overall = results["overall"]
+    assert overall["questions"] == 4 and overall["plain_tok_s"] > 0 and overall["medusa_tok_s"] > 0
+    assert overall["mean_accepted_length"] >= 1.0 and overall["hf_tok_s"] > 0
+    assert overall["identical_greedy_turns"] == overall["turns"]  # float32 on the CPU: exact
+    assert len(results["categories"]) == 4
+    assert sum(overall["decode_steps_per_tree"].values()) == overall["medusa_steps"] > 0
+    assert results["candidate_trees"][0] == "single" and results["candidate_trees"][-1] == "heads"  # unpinned
+    assert len(results["candidate_trees"]) == 6
