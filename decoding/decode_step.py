@@ -470,9 +470,8 @@ class DecodeStep:
         with self._padding_inputs(), (prompts.padding() if prompts is not None else nullcontext()):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._part2(tree, padded, self._part1(tree, padded, sampling, prompts, kv_bound), propose)
+            with torch.cuda.stream(stream):  # one eager run compiles this shape's Triton kernels outside the capture
+                self._part2(tree, padded, self._part1(tree, padded, sampling, prompts, kv_bound), propose)
             torch.cuda.current_stream().wait_stream(stream)
             g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(g1, pool=self.pool):

@@ -195,8 +195,7 @@ class PrefillGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compiles the Triton kernels of this shape outside the capture
-                self._forward(bucket)
+            self._forward(bucket)  # compiles the Triton kernels of this shape outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
