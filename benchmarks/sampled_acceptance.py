@@ -7,7 +7,7 @@ With --pin-tree every step verifies the heads' own tree: on a GPU the timed poli
 sampled rows (where their trees do not pay), and a plain step proposes nothing to compare.
 
     python benchmarks/sampled_acceptance.py --out out/sampled_acceptance.json            # CPU, float32
-    python benchmarks/sampled_acceptance.py --device cuda --dtype bfloat16 --pin-tree --out ...      # a GPU
+    python benchmarks/sampled_acceptance.py --device cuda --dtype bfloat16 --pin-tree --out ...  # a GPU
 """
 
 from __future__ import annotations
@@ -65,15 +65,18 @@ def main() -> None:
     prompts = [model.encode([{"role": "user", "content": q["turns"][0]}]) for q in questions]
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=100 + i)
               for i in range(len(prompts))]
-    rows = {name: run(model, prompts, params, coupled, args.pin_tree) for name, coupled in (("independent", False), ("coupled", True))}
+    rows = {name: run(model, prompts, params, coupled, args.pin_tree)
+            for name, coupled in (("independent", False), ("coupled", True))}
     same = sum(a == b for a, b in zip(rows["independent"]["token_ids"], rows["coupled"]["token_ids"]))
     for name, row in rows.items():
         print(f"{name:12s} {row['tokens_per_step']:.3f} tokens a step  {row['seconds']:.1f} s  {row['steps_per_tree']}")
     print(f"identical outputs: {same} of {len(prompts)}")
     with open(args.out, "w") as f:
         json.dump({"device": args.device, "dtype": args.dtype, "temperature": args.temperature,
-                   "max_tokens": args.max_tokens, "pinned_tree": args.pin_tree, "identical_outputs": same, "prompts": len(prompts),
-                   **{name: {k: v for k, v in row.items() if k != "token_ids"} for name, row in rows.items()}}, f, indent=1)
+                   "max_tokens": args.max_tokens, "pinned_tree": args.pin_tree, "identical_outputs": same,
+                   "prompts": len(prompts),
+                   **{name: {k: v for k, v in row.items() if k != "token_ids"} for name, row in rows.items()}},
+                  f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,4 +13,3 @@ def run(script: str, out: Path, *extra: str) -> dict:
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out), *extra],
                    check=True, cwd=ROOT, timeout=600)
     return json.loads((out / "results.json").read_text())
-
