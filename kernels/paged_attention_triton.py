@@ -25,17 +25,22 @@ _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 
 
 @triton.jit
-def _softmax_update(s, v, m_i, l_i, acc):
+def _softmax_update(s, v, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
     """Fold one key chunk into the running online softmax (FlashAttention-2 style).
 
-    s [M, N] float32 scores already in log2 units (scale * log2(e) folded in), -inf
-    where a key is hidden; v [N, D]; m_i, l_i [M] running max (log2 units) and sum;
-    acc [M, D] float32 unnormalised output.
+    s [M, N] float32 raw scores q.k, -inf where a key is hidden; qk_scale > 0 the softmax
+    scale times log2(e); v [N, D]; m_i, l_i [M] running max (log2 units) and sum; acc [M, D]
+    float32 unnormalised output. The scale is applied to each row's max and, per element,
+    in one fused multiply-add with the max's subtraction. MASKED: the chunk may hide every
+    key of a row, whose max then stays -inf (an unmasked chunk's scores are all finite).
     """
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see nothing in this split yet
-    alpha = tl.exp2(m_i - m_safe)  # exp2 maps to one MUFU.EX2; exp would add a multiply per element
-    p = tl.exp2(s - m_safe[:, None])
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if MASKED:
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see nothing in this split yet
+    else:
+        m_new_safe = m_new
+    alpha = tl.exp2(m_i - m_new_safe)  # exp2 maps to one MUFU.EX2; exp would add a multiply per element
+    p = tl.exp2(s * qk_scale - m_new_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulate in the MMA's fp32 accumulator
     return m_new, l_i, acc
@@ -98,8 +103,8 @@ def _paged_attention_kernel(
         slots = block * PAGE + logical % PAGE  # [N]
         k = tl.load(k_head + slots[:, None] * stride_ks + dims[None, :])  # [N, D]
         v = tl.load(v_head + slots[:, None] * stride_ks + dims[None, :])  # [N, D]
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [M, N]
-        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32)  # [M, N]
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False)
 
     # Phase 2, [prefix_end, own_end): the prefix chunk's unaligned tail (if any) and the step's
     # own tokens, which need the causal or tree mask (int64 bit shifts, emulated on GPUs: only
@@ -115,7 +120,7 @@ def _paged_attention_kernel(
         slots = block * PAGE + logical % PAGE
         k = tl.load(k_head + slots[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(v_head + slots[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [M, N]
+        s = tl.dot(q, tl.trans(k)).to(tl.float32)  # [M, N]
         step = logical - prefix  # [N] index among the step's tokens (negative: prefix)
         in_step = step >= 0
         step_c = tl.where(in_step, step, 0)
@@ -125,7 +130,7 @@ def _paged_attention_kernel(
         own_ok = tl.where(causal != 0, causal_ok, tree_ok)
         visible = key_ok[None, :] & ((~in_step[None, :]) | own_ok)
         s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True)
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -197,6 +202,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # row tiles first: the tiles sharing one (sequence, KV head, split) run together and share K/V in L2
     grid = (tiles, num_kv_heads * num_splits, num_seqs)
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0 (the kernel scales each row's maximum), got {scale}")
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, kv_lens, query_start, causal.to(torch.int32),  # no-op (no launch) for int32
         step_bits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),

@@ -170,6 +170,8 @@ def test_wrapper_names_bad_inputs():
                                max_query_len=max_q)
     with pytest.raises(ValueError, match="block_size"):
         paged_attention_triton(**batch, block_size=12, max_query_len=max_q)
+    with pytest.raises(ValueError, match="scale must be > 0"):
+        paged_attention_triton(**batch, block_size=16, max_query_len=max_q, scale=0.0)
 
 
 @pytest.mark.gpu
