@@ -81,12 +81,18 @@ def test_mixed_graph_steps_match_batch1_greedy(default_model_dir):
         engine = LLMEngine(model.base, model.heads if speculative else None, config, model.tokenizer,
                            sorted(model.eos_token_ids))
         done = run_staggered(engine, prompts, params, per_step=1)  # batches of 1 to 8 rows: padded ones too
-        for i, ref in enumerate(references):
-            got = done[i].token_ids
-            at = next((j for j in range(max(len(got), len(ref))) if got[j:j + 1] != ref[j:j + 1]), None)
-            assert at is None or _top2_margin(model, prompts[i] + ref[:at]) < 1e-2, (mixed, overlap, speculative, i)
+        _assert_equal_but_near_ties(model, prompts, done, references, (mixed, overlap, speculative))
         assert any(key[-1] > 0 for key in engine.runner.decode._graphs) == bool(mixed)
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def _assert_equal_but_near_ties(model, prompts, done, references, case) -> None:
+    """Each output equals its reference, or parts from it first where the reference's top two logits are
+    within 1e-2 (fp32 GEMMs of other shapes round differently, so such a near-tie may flip)."""
+    for i, ref in enumerate(references):
+        got = done[i].token_ids
+        at = next((j for j in range(max(len(got), len(ref))) if got[j:j + 1] != ref[j:j + 1]), None)
+        assert at is None or _top2_margin(model, prompts[i] + ref[:at]) < 1e-2, (case, i, at)
 
 
 @torch.inference_mode()
@@ -132,12 +138,15 @@ def test_graph_engine_with_prompt_lookup_matches_plain_greedy(default_model_dir)
     references = [model.generate(p, max_new_tokens=sp.max_tokens, speculative=False).token_ids
                   for p, sp in zip(prompts, params)]
 
-    engine = model.engine()
-    assert all(t.lookup == 4 for t in engine.scheduler.trees if t.num_nodes > 1)
+    # One tree, the heads' own with its lookup chain, for every step: the timed policy's choices depend on the
+    # lease's timings, and so did which near-ties a run met (session 25: one failure in four leases).
+    config = model.engine_config()
+    engine = LLMEngine(model.base, model.heads, replace(config, trees=config.trees[-1:]), model.tokenizer,
+                       sorted(model.eos_token_ids))
+    assert [t.lookup for t in engine.scheduler.trees if t.num_nodes > 1] == [4]
     engine.warmup()
     done = run_staggered(engine, prompts, params)
-    for i, ref in enumerate(references):
-        assert done[i].token_ids == ref, i
+    _assert_equal_but_near_ties(model, prompts, done, references, "lookup")
     assert engine.stats().totals.accepted_from_lookup > 0  # the repeated sentence, at least
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
