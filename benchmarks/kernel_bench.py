@@ -12,7 +12,7 @@
    On a GPU the forward is captured as a CUDA graph, as the engine runs it, with the engine's
    key bound for short plain steps (`kv_len_bound`; --no-kv-bound: the tables' width alone).
 3. With --launch-sweep (GPU only): the attention of 1. at 512 and 4096 keys under
-   num_warps 4 / 8 and num_stages 1-4, the data behind `_launch_config`, then under
+   num_warps 4 / 8 and num_stages 1-6, the data behind `_launch_config`, then under
    other row-tile and key-chunk sizes (BLOCK_M x BLOCK_N).
 4. With --split-sweep (GPU only): attention at small batches (one token or a
    64-node tree per sequence, the three model shapes' heads) under each split-KV
@@ -118,7 +118,7 @@ def launch_sweep(args, device, dtype) -> list[dict]:
 TILE_VARIANTS = [(64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3),
                  (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 4, 4), (128, 64, 4, 3)]
 # the default tiles under each num_warps x num_stages, then the tile variants
-LAUNCHES = [dict(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3, 4)] + [
+LAUNCHES = [dict(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3, 4, 5, 6)] + [
     dict(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in TILE_VARIANTS]
 SPLIT_SHAPES = {"llama-3.1-8b": (32, 8, 128), "llama-3.2-1b": (32, 8, 64), "smollm2-135m": (9, 3, 64)}
 

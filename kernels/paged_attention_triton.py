@@ -176,7 +176,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     GPU from the host-known shapes alone, so the choice is fixed under a CUDA graph.
     max_kv_len: a host-side bound on the sequences' keys, used only to pick that count (None: the
     block table's width); a longer sequence is still attended in full, by fewer programs.
-    launch: num_warps / num_stages instead of `_launch_config`'s, and optionally block_m / block_n
+    launch: num_warps and/or num_stages instead of `_launch_config`'s, and optionally block_m / block_n
     (benchmarks/kernel_bench.py --launch-sweep).
     """
     _check(q, k_cache, v_cache, block_tables, kv_lens, query_start, causal, step_bits, block_size)
@@ -209,7 +209,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         step_bits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale * _LOG2E,  # softmax in exp2: scores (and stored maxima) in log2 units
         NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        **(launch or _launch_config(block_m, block_n, head_dim, q.element_size())),
+        **_launch_options(_launch_config(block_m, block_n, head_dim, q.element_size(), num_splits), launch),
         **pdl_options(q, q.shape[0]),
     )
     if num_splits > 1 and q.shape[0]:
@@ -219,18 +219,32 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def _launch_config(block_m: int, block_n: int, head_dim: int, elem_bytes: int) -> dict:
+def _launch_config(block_m: int, block_n: int, head_dim: int, elem_bytes: int, num_splits: int) -> dict:
     """num_warps / num_stages for the attention kernel on Hopper-class GPUs (ignored by the interpreter).
 
     Measured on an H200 (RESULTS.md, session 4: batch 32, 64 tree tokens, 8 KV heads of 128, bf16):
-    4 warps ran 1.5-2x faster than 8 at every stage count (0.56 against 1.16 ms at 4096 keys),
-    and 4 stages beat 3 (0.56 against 0.60 ms; 0.15 against 0.18 ms at 512 keys). Software
-    pipelining keeps num_stages K and V chunks ([BLOCK_N, D] each) in shared memory, so wide
+    4 warps ran 1.5-2x faster than 8 at every stage count (0.56 against 1.16 ms at 4096 keys).
+    Software pipelining keeps num_stages K and V chunks ([BLOCK_N, D] each) in shared memory, so wide
     fp32 or D=256 chunks get fewer stages to stay well under the ~227 KiB an SM offers.
+    The depth (RESULTS.md, session 26: per call in a CUDA graph, three model shapes, 1-32 sequences
+    of 1-64 tokens, 512-4096 keys): 3 and 4 stages ran alike, and so did 5 and 6. 5 stages cost
+    ~1-2 us a call where programs walk few key chunks (a split's share), 8B shape, one token, 512
+    keys: 8.4 against 6.7 us; but cut long walks by up to 30% (1B shape, 32 sequences of one token,
+    4096 keys: 106 against 77 us). The split count says which: one or two splits are picked when
+    the batch alone fills the GPU, so each program walks half the keys or more.
     """
     stage_bytes = 2 * block_n * head_dim * elem_bytes  # one K and one V chunk
-    num_stages = max(1, min(4, (160 * 1024) // stage_bytes))
-    return dict(num_warps=4, num_stages=num_stages)
+    deepest = 5 if num_splits <= 2 else 4
+    return dict(num_warps=4, num_stages=max(1, min(deepest, (160 * 1024) // stage_bytes)))
+
+
+def _launch_options(config: dict, launch: dict) -> dict:
+    """`config` with a caller's num_warps / num_stages in place of its own."""
+    unknown = set(launch) - set(config)
+    if unknown:
+        raise ValueError(f"unknown attention launch options {sorted(unknown)} (num_warps, num_stages, "
+                         f"block_m, block_n)")
+    return config | launch
 
 
 def _pick_splits(programs: int, max_keys: int, block_n: int, block_m: int, q: torch.Tensor,

@@ -159,6 +159,17 @@ def test_tile_sizes_match_reference(block_m, block_n):
         assert torch.allclose(got.float(), expected.float(), atol=2e-3, rtol=2e-3), num_splits
 
 
+def test_long_key_walks_pipeline_deeper_within_shared_memory():
+    """One or two splits (the batch fills the GPU: each program walks half the keys or more) load 5 chunks
+    ahead, more splits 4; fp32 or D=256 chunks fewer, as shared memory allows (H200, session 26)."""
+    from medusa.kernels.paged_attention_triton import _launch_config
+
+    assert [_launch_config(64, 64, 128, 2, splits)["num_stages"] for splits in (1, 2, 4, 16)] == [5, 5, 4, 4]
+    assert _launch_config(16, 64, 64, 2, 1)["num_stages"] == 5
+    assert _launch_config(64, 64, 128, 4, 1)["num_stages"] == 2  # fp32: 64 KiB a stage
+    assert _launch_config(64, 64, 256, 2, 16)["num_stages"] == 2
+
+
 def test_wrapper_names_bad_inputs():
     batch, max_q = random_batch(0, ["tree-4"], 8, 2, 1, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="head_dim"):
@@ -170,6 +181,8 @@ def test_wrapper_names_bad_inputs():
                                max_query_len=max_q)
     with pytest.raises(ValueError, match="block_size"):
         paged_attention_triton(**batch, block_size=12, max_query_len=max_q)
+    with pytest.raises(ValueError, match="unknown attention launch options"):
+        paged_attention_triton(**batch, block_size=16, max_query_len=max_q, launch=dict(num_stage=3))
     with pytest.raises(ValueError, match="scale must be > 0"):
         paged_attention_triton(**batch, block_size=16, max_query_len=max_q, scale=0.0)
 
