@@ -227,7 +227,8 @@ def _launch_config(block_m: int, block_n: int, head_dim: int, elem_bytes: int, n
     Software pipelining keeps num_stages K and V chunks ([BLOCK_N, D] each) in shared memory, so wide
     fp32 or D=256 chunks get fewer stages to stay well under the ~227 KiB an SM offers.
     The depth (RESULTS.md, session 26: per call in a CUDA graph, three model shapes, 1-32 sequences
-    of 1-64 tokens, 512-4096 keys): 3 and 4 stages ran alike, and so did 5 and 6. 5 stages cost
+    of 1-64 tokens, 512-4096 keys): 3 and 4 stages ran alike, and so did 5 and 6 (a chunk's K/V loads
+    hang off a block-table load, so the pipeliner gives them one buffer per two stages). 5 stages cost
     ~1-2 us a call where programs walk few key chunks (a split's share), 8B shape, one token, 512
     keys: 8.4 against 6.7 us; but cut long walks by up to 30% (1B shape, 32 sequences of one token,
     4096 keys: 106 against 77 us). The split count says which: one or two splits are picked when
