@@ -14,8 +14,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Under pytest-xdist (the README's `-n 2`) each worker is a process of its own: one thread each, or two
 # workers' matmuls would oversubscribe two cores (CI: 17.0 min serial, 12.6 min in two one-thread workers)
+# The processes tests start (benchmark scripts, the notebooks' kernels, the CLI) inherit one thread too: with two
+# they spin at OpenMP barriers while the other worker holds a core (a notebook ran in 252 s beside it, 27 s alone).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="session")
