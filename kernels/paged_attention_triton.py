@@ -96,10 +96,16 @@ def _paged_attention_kernel(
     # (no predicated loads, no select on the [M, N] scores). key_begin is a multiple of
     # BLOCK_N, so these are the sequence's aligned chunks; a chunk straddling `prefix` or
     # key_end is left to phase 2. Clamped at 0 first: a split past the prefix has none.
+    # A chunk's block ids are loaded one iteration ahead and carried in registers, so its K/V loads
+    # hang off no load of their own iteration: each stage past the first then buffers one K/V chunk
+    # (with the table load inside the iteration the pipeliner spent two stages per buffer).
     prefix_end = key_begin + tl.maximum(tl.minimum(key_end, prefix) - key_begin, 0) // BLOCK_N * BLOCK_N
+    next_block = tl.load(table + (key_begin + keys) // PAGE, mask=key_begin + keys < prefix_end, other=0)  # [N]
     for start in range(key_begin, prefix_end, BLOCK_N):
         logical = start + keys  # [N] several pages per chunk: more loads in flight
-        block = tl.load(table + logical // PAGE).to(tl.int64)
+        block = next_block.to(tl.int64)
+        ahead = logical + BLOCK_N
+        next_block = tl.load(table + ahead // PAGE, mask=ahead < prefix_end, other=0)
         slots = block * PAGE + logical % PAGE  # [N]
         k = tl.load(k_head + slots[:, None] * stride_ks + dims[None, :])  # [N, D]
         v = tl.load(v_head + slots[:, None] * stride_ks + dims[None, :])  # [N, D]
@@ -224,18 +230,19 @@ def _launch_config(block_m: int, block_n: int, head_dim: int, elem_bytes: int, n
 
     Measured on an H200 (RESULTS.md, session 4: batch 32, 64 tree tokens, 8 KV heads of 128, bf16):
     4 warps ran 1.5-2x faster than 8 at every stage count (0.56 against 1.16 ms at 4096 keys).
-    Software pipelining keeps num_stages K and V chunks ([BLOCK_N, D] each) in shared memory, so wide
-    fp32 or D=256 chunks get fewer stages to stay well under the ~227 KiB an SM offers.
-    The depth (RESULTS.md, session 26: per call in a CUDA graph, three model shapes, 1-32 sequences
-    of 1-64 tokens, 512-4096 keys): 3 and 4 stages ran alike, and so did 5 and 6 (a chunk's K/V loads
-    hang off a block-table load, so the pipeliner gives them one buffer per two stages). 5 stages cost
-    ~1-2 us a call where programs walk few key chunks (a split's share), 8B shape, one token, 512
-    keys: 8.4 against 6.7 us; but cut long walks by up to 30% (1B shape, 32 sequences of one token,
-    4096 keys: 106 against 77 us). The split count says which: one or two splits are picked when
-    the batch alone fills the GPU, so each program walks half the keys or more.
+    With the block ids loaded an iteration ahead, n stages keep n - 1 K and V chunks ([BLOCK_N, D]
+    each) in flight. Session 27 (per call in a CUDA graph; three model shapes, 1-32 sequences of
+    1-64 tokens, 512-4096 keys): where one or two splits are picked (the batch alone fills the GPU,
+    each program walks half the keys or more), 3 stages beat 4, which leave one program per SM for
+    heads of 128 (the issue's tree shape: 0.375 against 0.57 ms). Where more splits are picked
+    (small batches), 2 stages win while each split walks a few chunks (8B shape, one token, 512
+    keys: 5.9 against 6.6 us) and lose from about eight (8 sequences of one token, 4096 keys: 44.4
+    against 40.0 us); a graph captured for any context cannot know the walk, and short contexts
+    are the common case. fp32 or D=256 chunks get fewer stages, to stay well under the ~227 KiB of
+    shared memory an SM offers.
     """
     stage_bytes = 2 * block_n * head_dim * elem_bytes  # one K and one V chunk
-    deepest = 5 if num_splits <= 2 else 4
+    deepest = 3 if num_splits <= 2 else 2
     return dict(num_warps=4, num_stages=max(1, min(deepest, (160 * 1024) // stage_bytes)))
 
 

@@ -159,15 +159,16 @@ def test_tile_sizes_match_reference(block_m, block_n):
         assert torch.allclose(got.float(), expected.float(), atol=2e-3, rtol=2e-3), num_splits
 
 
-def test_long_key_walks_pipeline_deeper_within_shared_memory():
-    """One or two splits (the batch fills the GPU: each program walks half the keys or more) load 5 chunks
-    ahead, more splits 4; fp32 or D=256 chunks fewer, as shared memory allows (H200, session 26)."""
+def test_pipeline_depth_keeps_two_chunks_in_flight_where_few_splits_walk_long():
+    """One or two splits (the batch fills the GPU: each program walks half the keys or more) keep two
+    K/V chunks in flight (3 stages), more splits one (2); fp32 or D=256 chunks fewer, as shared memory
+    allows (H200, session 27)."""
     from medusa.kernels.paged_attention_triton import _launch_config
 
-    assert [_launch_config(64, 64, 128, 2, splits)["num_stages"] for splits in (1, 2, 4, 16)] == [5, 5, 4, 4]
-    assert _launch_config(16, 64, 64, 2, 1)["num_stages"] == 5
+    assert [_launch_config(64, 64, 128, 2, splits)["num_stages"] for splits in (1, 2, 4, 16)] == [3, 3, 2, 2]
+    assert _launch_config(16, 64, 64, 2, 1)["num_stages"] == 3
     assert _launch_config(64, 64, 128, 4, 1)["num_stages"] == 2  # fp32: 64 KiB a stage
-    assert _launch_config(64, 64, 256, 2, 16)["num_stages"] == 2
+    assert _launch_config(64, 64, 256, 4, 1)["num_stages"] == 1  # fp32 D=256: 128 KiB a stage
 
 
 def test_wrapper_names_bad_inputs():
