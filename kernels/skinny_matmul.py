@@ -36,6 +36,12 @@ DOT_MAX_K = 1536
 DOT_TILE_BYTES = 64 * 1024  # K padded to a power of two: bf16 up to K 2048, float32 up to 1024
 # MEDUSA_SKINNY=0 sends every product to cuBLAS (to time one against the other, or to bisect a difference)
 ENABLED = os.environ.get("MEDUSA_SKINNY", "1") != "0"
+# On a CPU, F.linear of a few rows by a vocabulary-sized weight (x @ W.T) ran 2-3x slower than the same
+# product with the weight as the left operand (W @ x.T): 2 cores, MKL, float32, the default model's
+# [49152, 576] lm_head, 2-8 rows 22-26 against 8-9.5 ms, 16-64 rows 25-62 against 19-51 ms, even from
+# 128 rows (RESULTS.md, session 27). Smaller weights gained little or lost, so only these take it.
+CPU_SWAP_MIN_OUT = 8192  # a vocabulary projection: the lm_head, the heads' shared projection
+CPU_SWAP_MAX_ROWS = 64
 
 
 def skinny_matmul_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -69,10 +75,24 @@ def takes_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and use_triton(x, weight, *extra))
 
 
+def swaps_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` computes this CPU product as weight @ x.T: inference, 2 to CPU_SWAP_MAX_ROWS rows,
+    a weight of at least CPU_SWAP_MIN_OUT rows (one row stays F.linear: it is a matrix-vector product
+    either way, and a plain step's logits keep F.linear's exact values)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.device.type == "cpu" and 2 <= rows <= CPU_SWAP_MAX_ROWS and weight.shape[0] >= CPU_SWAP_MIN_OUT
+            and not torch.is_grad_enabled())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the skinny Triton kernels where `takes_skinny` says so."""
+    """F.linear, through the skinny Triton kernels where `takes_skinny` says so, or with the operands
+    swapped on a CPU where `swaps_on_cpu` says so."""
     if takes_skinny(x, weight, bias):
         from medusa.kernels.skinny_matmul_triton import skinny_matmul_triton
 
         return skinny_matmul_triton(x, weight, bias)
+    if swaps_on_cpu(x, weight):
+        out = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t()  # [rows, N], a transposed view
+        out = out if bias is None else out + bias
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
