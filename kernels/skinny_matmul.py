@@ -38,8 +38,8 @@ DOT_TILE_BYTES = 64 * 1024  # K padded to a power of two: bf16 up to K 2048, flo
 ENABLED = os.environ.get("MEDUSA_SKINNY", "1") != "0"
 # On a CPU, F.linear of a few rows by a vocabulary-sized weight (x @ W.T) ran 2-3x slower than the same
 # product with the weight as the left operand (W @ x.T): 2 cores, MKL, float32, the default model's
-# [49152, 576] lm_head, 2-8 rows 22-26 against 8-9.5 ms, 16-64 rows 25-62 against 19-51 ms, even from
-# 128 rows (RESULTS.md, session 27). Smaller weights gained little or lost, so only these take it.
+# [49152, 576] lm_head, 2-8 rows 22-26 against 8-9.5 ms, 16-64 rows 25-62 against 19-51 ms; level at
+# 128 rows, slower at 256 (RESULTS.md, session 27). Smaller weights gained little or lost, so only these take it.
 CPU_SWAP_MIN_OUT = 8192  # a vocabulary projection: the lm_head, the heads' shared projection
 CPU_SWAP_MAX_ROWS = 64
 
@@ -92,7 +92,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         return skinny_matmul_triton(x, weight, bias)
     if swaps_on_cpu(x, weight):
-        out = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t()  # [rows, N], a transposed view
+        out = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().contiguous()  # [rows, N], as F.linear's
         out = out if bias is None else out + bias
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

@@ -95,7 +95,7 @@ def test_cpu_vocabulary_projections_of_few_rows_swap_operands_and_match_linear(s
         assert swaps_on_cpu(x, w)
         for bias in (None, b):
             got = linear(x, w, bias)
-            assert got.shape == (*shape[:-1], CPU_SWAP_MIN_OUT)
+            assert got.shape == (*shape[:-1], CPU_SWAP_MIN_OUT) and got.is_contiguous()  # as F.linear
             assert torch.allclose(got, torch.nn.functional.linear(x, w, bias), atol=1e-5, rtol=1e-5)
         assert not swaps_on_cpu(x.reshape(-1, 48)[:1], w)  # one row
         assert not swaps_on_cpu(torch.randn(CPU_SWAP_MAX_ROWS + 1, 48, generator=g), w)
