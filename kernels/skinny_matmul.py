@@ -36,11 +36,11 @@ DOT_MAX_K = 1536
 DOT_TILE_BYTES = 64 * 1024  # K padded to a power of two: bf16 up to K 2048, float32 up to 1024
 # MEDUSA_SKINNY=0 sends every product to cuBLAS (to time one against the other, or to bisect a difference)
 ENABLED = os.environ.get("MEDUSA_SKINNY", "1") != "0"
-# On a CPU, F.linear of a few rows by a vocabulary-sized weight (x @ W.T) ran 2-3x slower than the same
-# product with the weight as the left operand (W @ x.T): 2 cores, MKL, float32, the default model's
-# [49152, 576] lm_head, 2-8 rows 22-26 against 8-9.5 ms, 16-64 rows 25-62 against 19-51 ms; level at
-# 128 rows, slower at 256 (RESULTS.md, session 27). Smaller weights gained little or lost, so only these take it.
-CPU_SWAP_MIN_OUT = 8192  # a vocabulary projection: the lm_head, the heads' shared projection
+# On a CPU, F.linear of a few rows by a large weight (x @ W.T) ran 1.2-3.7x slower than the same product
+# with the weight as the left operand (W @ x.T): 2 cores, MKL, float32, weights of 19-262 MB at 2-64 rows (the
+# default model's [49152, 576] lm_head: 2-8 rows 22-26 against 8-9.5 ms; level at 128 rows, slower at 256),
+# where weights of 1-7 MB, which caches hold, gained little or lost (RESULTS.md, session 27).
+CPU_SWAP_MIN_BYTES = 16 << 20  # the default model's lm_head (113 MB), not its layers (<= 7 MB)
 CPU_SWAP_MAX_ROWS = 64
 
 
@@ -77,11 +77,11 @@ def takes_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def swaps_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` computes this CPU product as weight @ x.T: inference, 2 to CPU_SWAP_MAX_ROWS rows,
-    a weight of at least CPU_SWAP_MIN_OUT rows (one row stays F.linear: it is a matrix-vector product
-    either way, and a plain step's logits keep F.linear's exact values)."""
+    a weight of at least CPU_SWAP_MIN_BYTES (one row stays F.linear: it is a matrix-vector product either
+    way, and a plain step's logits keep F.linear's exact values)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (x.device.type == "cpu" and 2 <= rows <= CPU_SWAP_MAX_ROWS and weight.shape[0] >= CPU_SWAP_MIN_OUT
-            and not torch.is_grad_enabled())
+    return (x.device.type == "cpu" and 2 <= rows <= CPU_SWAP_MAX_ROWS and not torch.is_grad_enabled()
+            and weight.numel() * weight.element_size() >= CPU_SWAP_MIN_BYTES)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

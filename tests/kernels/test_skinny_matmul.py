@@ -80,26 +80,27 @@ def test_which_products_take_the_kernels():
         assert not takes_skinny(rand(g, 1, 32), w, None)  # training
 
 
-@pytest.mark.parametrize("shape", [(2, 48), (64, 48), (3, 5, 48)])
-def test_cpu_vocabulary_projections_of_few_rows_swap_operands_and_match_linear(shape):
-    """At inference on a CPU, 2-64 rows times a vocabulary-sized weight run as weight @ x.T (faster under
-    MKL, RESULTS.md session 27), leading dimensions kept, bias added; one row, more rows, smaller weights
-    and training keep F.linear."""
-    from medusa.kernels.skinny_matmul import CPU_SWAP_MAX_ROWS, CPU_SWAP_MIN_OUT, linear, swaps_on_cpu
+@pytest.mark.parametrize("shape", [(2, 64), (64, 64), (3, 5, 64)])
+def test_cpu_products_of_few_rows_by_large_weights_swap_operands_and_match_linear(shape):
+    """At inference on a CPU, 2-64 rows times a weight of CPU_SWAP_MIN_BYTES or more run as weight @ x.T
+    (faster under MKL, RESULTS.md session 27), leading dimensions kept, bias added, contiguous as F.linear's
+    output; one row, more rows, smaller weights and training keep F.linear."""
+    from medusa.kernels.skinny_matmul import CPU_SWAP_MAX_ROWS, CPU_SWAP_MIN_BYTES, linear, swaps_on_cpu
 
     g = torch.Generator().manual_seed(8)
-    w = torch.randn(CPU_SWAP_MIN_OUT, 48, generator=g)
-    b = torch.randn(CPU_SWAP_MIN_OUT, generator=g)
+    out_rows = CPU_SWAP_MIN_BYTES // (4 * 64)  # float32 rows of 64: exactly the threshold
+    w = torch.randn(out_rows, 64, generator=g)
+    b = torch.randn(out_rows, generator=g)
     x = torch.randn(*shape, generator=g)
     with torch.inference_mode():
         assert swaps_on_cpu(x, w)
         for bias in (None, b):
             got = linear(x, w, bias)
-            assert got.shape == (*shape[:-1], CPU_SWAP_MIN_OUT) and got.is_contiguous()  # as F.linear
+            assert got.shape == (*shape[:-1], out_rows) and got.is_contiguous()
             assert torch.allclose(got, torch.nn.functional.linear(x, w, bias), atol=1e-5, rtol=1e-5)
-        assert not swaps_on_cpu(x.reshape(-1, 48)[:1], w)  # one row
-        assert not swaps_on_cpu(torch.randn(CPU_SWAP_MAX_ROWS + 1, 48, generator=g), w)
-        assert not swaps_on_cpu(x, w[: CPU_SWAP_MIN_OUT - 1])  # smaller weights
+        assert not swaps_on_cpu(x.reshape(-1, 64)[:1], w)  # one row
+        assert not swaps_on_cpu(torch.randn(CPU_SWAP_MAX_ROWS + 1, 64, generator=g), w)
+        assert not swaps_on_cpu(x, w[:-1])  # a smaller weight
     assert not swaps_on_cpu(x, w)  # training (grad enabled)
 
 
