@@ -7,7 +7,8 @@
 (the default model's lm_head and so the heads' shared projection; a larger model's layers too) as
 `weight @ x.T` instead of F.linear's `x @ weight.T` (`swaps_on_cpu`). This times, on this machine:
 
-1. both forms for the model's lm_head shape at 1 to 256 rows (cache-warm, median of --repeats calls);
+1. both forms for the model's lm_head shape at 1 to 256 rows (cache-warm, median of --repeats calls), and
+   for other weights of 2-235 MB at 2-64 rows (the data behind CPU_SWAP_MIN_BYTES);
 2. with `swaps_on_cpu` on and off, in interleaved rounds: a verification forward of 1, 4 and 16 tokens
    after 256 cached ones (`tree_select.step_seconds`) and the heads' proposals (`heads_seconds`), the two
    costs the batch-1 decoder's tree choice weighs.
@@ -34,6 +35,10 @@ from medusa.loading import empty_model
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TREE_TOKENS = (1, 4, 16)
+# weights of 2 MB to 235 MB: the default model's gate/up (7 MB), vocabulary projections of 32k-49k tokens,
+# a 1B-class lm_head slice and an 8B-class down projection
+OTHER_WEIGHTS = ((8192, 64), (3072, 576), (8192, 576), (32000, 576), (8192, 2048), (32000, 2048), (14336, 4096))
+OTHER_ROWS = (2, 4, 8, 16, 64)
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -110,8 +115,8 @@ def main() -> None:
         print(f"lm_head {tuple(base.lm_head.weight.shape)}, {name} model, {results['threads']} threads", flush=True)
         rows = ROWS[:3] if args.quick else ROWS
         results["projection"] = projection_curve(base.lm_head.weight, rows, repeats)
-        results["other_weights"] = {f"{n}x{k}": projection_curve(torch.randn(n, k), (2, 8, 64), repeats)
-                                    for n, k in ((3072, 576), (8192, 2048))} if not args.quick else {}
+        results["other_weights"] = {} if args.quick else {  # what CPU_SWAP_MIN_BYTES rests on
+            f"{n}x{k}": projection_curve(torch.randn(n, k), OTHER_ROWS, repeats) for n, k in OTHER_WEIGHTS}
         print("verification forwards and the heads' proposals", flush=True)
         results["steps"] = step_rounds(base, heads, rounds, repeats)
     args.out.mkdir(parents=True, exist_ok=True)

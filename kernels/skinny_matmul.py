@@ -36,10 +36,11 @@ DOT_MAX_K = 1536
 DOT_TILE_BYTES = 64 * 1024  # K padded to a power of two: bf16 up to K 2048, float32 up to 1024
 # MEDUSA_SKINNY=0 sends every product to cuBLAS (to time one against the other, or to bisect a difference)
 ENABLED = os.environ.get("MEDUSA_SKINNY", "1") != "0"
-# On a CPU, F.linear of a few rows by a large weight (x @ W.T) ran 1.2-3.7x slower than the same product
+# On a CPU, F.linear of a few rows by a large weight (x @ W.T) ran 1.1-3.9x slower than the same product
 # with the weight as the left operand (W @ x.T): 2 cores, MKL, float32, weights of 19-262 MB at 2-64 rows (the
-# default model's [49152, 576] lm_head: 2-8 rows 22-26 against 8-9.5 ms; level at 128 rows, slower at 256),
-# where weights of 1-7 MB, which caches hold, gained little or lost (RESULTS.md, session 27).
+# default model's [49152, 576] lm_head: 2-4 rows 22-23 against 6-9 ms, 8-32 rows 1.1-1.6x, 64 rows about even,
+# slower from 128),
+# where weights of 2-7 MB, which caches hold, gained little or lost (RESULTS.md, session 27).
 CPU_SWAP_MIN_BYTES = 16 << 20  # the default model's lm_head (113 MB), not its layers (<= 7 MB)
 CPU_SWAP_MAX_ROWS = 64
 
