@@ -84,13 +84,15 @@ def _chain_bits(i: int) -> int:
 def attention_curve(args, device, dtype) -> list[dict]:
     rows = []
     for context in args.contexts:
-        batch = paged_batch(args.batch, context, args.tree, args.q_heads, args.kv_heads, args.head_dim, dtype, device)
+        page = args.block_size
+        batch = paged_batch(args.batch, context, args.tree, args.q_heads, args.kv_heads, args.head_dim, dtype, device,
+                            page=page)
         if device.type == "cuda":
             from medusa.kernels.paged_attention_triton import paged_attention_triton
 
-            fn = lambda: paged_attention_triton(**batch, block_size=16, max_query_len=args.tree)  # noqa: E731
+            fn = lambda: paged_attention_triton(**batch, block_size=page, max_query_len=args.tree)  # noqa: E731
         else:
-            fn = lambda: paged_attention_reference(**batch, block_size=16)  # noqa: E731
+            fn = lambda: paged_attention_reference(**batch, block_size=page)  # noqa: E731
         seconds = timed(fn, args.repeats, device)
         kv_bytes = 2 * args.batch * context * args.kv_heads * args.head_dim * batch["k_cache"].element_size()
         rows.append({"context": context, "seconds": seconds, "kv_gb_s": kv_bytes / seconds / 1e9})
@@ -163,10 +165,11 @@ def step_curve(args, device, dtype) -> tuple[list[dict], list[dict]]:
         p.data.normal_(0, 0.02)
     rows, kernels = [], []
     for batch in args.batches:
-        pages = batch * (-(-max(args.step_context + 128, args.table_keys) // 16))
-        cache = PagedKVCache(config, pages, 16, dtype, device)
+        pages = batch * (-(-max(args.step_context + 128, args.table_keys) // args.block_size))
+        cache = PagedKVCache(config, pages, args.block_size, dtype, device)
         for tree in args.tree_sizes:
-            meta = _step_metadata(batch, tree, args.step_context, args.table_keys, device, not args.no_kv_bound)
+            meta = _step_metadata(batch, tree, args.step_context, args.table_keys, device, not args.no_kv_bound,
+                                  args.block_size)
             ids = torch.zeros(batch * tree, dtype=torch.long, device=device)
             pos = torch.full((batch * tree,), args.step_context, device=device)
 
@@ -217,14 +220,15 @@ def captured(fn):
     return graph.replay
 
 
-def _step_metadata(batch: int, tree: int, context: int, table_keys: int, device, kv_bound: bool = True) -> StepMetadata:
+def _step_metadata(batch: int, tree: int, context: int, table_keys: int, device, kv_bound: bool = True,
+                   page: int = 16) -> StepMetadata:
     """A step of `tree` chain tokens per sequence after `context` cached ones; block tables as wide as
     table_keys (the engine's are as wide as the longest context it serves, which sets the split count),
     and with kv_bound the key bound the engine's decode step would run under."""
-    per_seq = -(-max(context + 128, table_keys) // 16)
-    bound = kv_len_bound(batch, tree, context + tree, per_seq * 16, False) if kv_bound else None
+    per_seq = -(-max(context + 128, table_keys) // page)
+    bound = kv_len_bound(batch, tree, context + tree, per_seq * page, False) if kv_bound else None
     tables = torch.arange(batch * per_seq, device=device, dtype=torch.int32).view(batch, per_seq)
-    slots = (tables.long()[:, :1] * 16 + context + torch.arange(tree, device=device)).flatten()
+    slots = (tables.long()[:, :1] * page + context + torch.arange(tree, device=device)).flatten()
     bits = torch.tensor([_chain_bits(i) for i in range(tree)], device=device).repeat(batch)
     return StepMetadata(slot_mapping=slots, block_tables=tables, kv_lens=torch.full((batch,), context + tree, device=device),
                         query_start=torch.arange(batch + 1, device=device) * tree,
@@ -268,6 +272,8 @@ def main() -> None:
                    help="cached tokens per sequence in the step curve (default 512; --quick: 32)")
     p.add_argument("--no-kv-bound", action="store_true",
                    help="step curve without the engine's key bound for short plain steps (splits from the tables)")
+    p.add_argument("--block-size", type=int, default=16, choices=(16, 32, 64, 128),
+                   help="KV page size of the attention and step curves (64+: TMA loads on Hopper)")
     p.add_argument("--batches", type=int, nargs="+", help="step-curve batch sizes (default 1 8 32)")
     p.add_argument("--tree-sizes", type=int, nargs="+", help="step-curve tokens per sequence (default 1 to 128)")
     args = p.parse_args()
@@ -289,6 +295,7 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shape": shape,
                "dtype": str(dtype), "copy_gb_s": args.copy_bytes_s / 1e9,
                "step_context": args.step_context, "table_keys": args.table_keys, "kv_bound": not args.no_kv_bound,
+               "block_size": args.block_size,
                "attention": [] if args.skip_attention else attention_curve(args, device, dtype),
                "launch_sweep": launch_sweep(args, device, dtype) if args.launch_sweep else [],
                "split_sweep": split_sweep(args, device, dtype) if args.split_sweep else []}

@@ -203,7 +203,8 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     scheduler = SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=4096)
     # the phase timer synchronises around every phase, so a profiled engine runs without overlap
     overlap = False if args.profile_steps or args.no_overlap else None
-    config = EngineConfig(num_blocks=args.num_blocks, trees=config.trees, scheduler=scheduler,
+    config = EngineConfig(num_blocks=max(1, args.num_blocks * 16 // args.block_size), block_size=args.block_size,
+                          trees=config.trees, scheduler=scheduler,
                           prompt_lookup=args.prompt_lookup, overlap=overlap,
                           mixed_prompt_tokens=args.mixed_prompt_tokens)
     engines = {}  # mode -> (engine, its warmup figures); both stay alive so that their runs can alternate
@@ -271,7 +272,10 @@ def main() -> None:
     p.add_argument("--models", default="default,llama-3.2-1b,llama-3.1-8b")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks of 16 tokens (fewer, larger ones under "
+                   "--block-size: the pool keeps num_blocks x 16 slots)")
+    p.add_argument("--block-size", type=int, default=16, choices=(16, 32, 64, 128),
+                   help="tokens per KV block (EngineConfig.block_size); 64+ takes TMA loads on Hopper")
     p.add_argument("--requests-per-slot", type=int, default=8, help="requests served per concurrent slot")
     p.add_argument("--length-spread", type=float, default=0.0,
                    help="answer lengths uniform in max_tokens x [1 - F, 1 + F] (default 0: all max_tokens)")
@@ -322,7 +326,7 @@ def main() -> None:
                                                    "repeats": args.repeats, "heads": args.heads, "output_kind": args.output_kind,
                                                    "overlap": not (args.no_overlap or args.profile_steps),
                                                    "mixed_prompt_tokens": args.mixed_prompt_tokens,
-                                                   "rows": rows}, indent=2))
+                                                   "block_size": args.block_size, "rows": rows}, indent=2))
     plot(rows, out / "throughput.png")
     for r in rows:
         pairs = "-".join(f"{x:.2f}" for x in (min(r["speedup_runs"]), max(r["speedup_runs"])))

@@ -67,6 +67,9 @@ TIMING_ROUNDS = 3
 @dataclass(frozen=True)
 class EngineConfig:
     num_blocks: int = 512
+    # KV slots per block. On a GPU a power of two >= 16; from 64 on, Hopper-class GPUs load K/V in whole
+    # 64-key chunks by TMA (attention 6-22% faster a call where it matters, RESULTS.md session 28), but
+    # prefix caching then shares only whole 64-token blocks (a short system prompt fills none)
     block_size: int = 16
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -201,6 +204,10 @@ class LLMEngine:
                  tokenizer: Any = None, eos_token_ids: Seq[int] = ()) -> None:
         self.model, self.heads, self.config, self.tokenizer = model, heads, config, tokenizer
         self.device = model.embed_tokens.weight.device
+        bs = config.block_size
+        if self.device.type == "cuda" and (bs < 16 or bs & (bs - 1)):
+            raise ValueError(f"block_size must be a power of two >= 16 on a GPU (the attention kernel walks whole "
+                             f"pages of those), got {bs}")
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         trees = [t if isinstance(t, TreeSpec) else TreeSpec.load(t) for t in config.trees] if heads is not None \
             else [TreeSpec.load("single")]

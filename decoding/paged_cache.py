@@ -48,7 +48,10 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.step: StepMetadata | None = None
-        self.use_triton = device.type == "cuda" and _triton_available() and block_size >= 16
+        # the Triton kernel walks pages of a power of two >= 16 slots; other sizes take the reference
+        self.use_triton = (device.type == "cuda" and _triton_available() and block_size >= 16
+                           and not block_size & (block_size - 1))
+        self._descriptors: dict[int, tuple] = {}  # layer -> TMA descriptors of its K/V pools (pages >= 64)
 
     def forward(self, model, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
         """model(input_ids, positions) [T] over this cache with `step`'s slots and masks -> hidden [T, H]."""
@@ -83,12 +86,14 @@ class PagedKVCache:
 
     def _attend_triton(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The Triton kernel over this layer's pages; the step's k/v are already in their slots."""
-        from medusa.kernels.paged_attention_triton import paged_attention_triton
+        from medusa.kernels.paged_attention_triton import bulk_copies_fit, page_descriptors, paged_attention_triton
 
-        s = self.step
-        return paged_attention_triton(q, self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
-                                      s.query_start, s.causal, s.step_bits, self.block_size, s.max_query_len,
-                                      max_kv_len=s.max_kv_len)
+        s, k, v = self.step, self.k[layer], self.v[layer]
+        if layer not in self._descriptors and bulk_copies_fit(q, k, self.block_size, 64):
+            self._descriptors[layer] = page_descriptors(k, v)  # built once: eager calls would pay each time
+        return paged_attention_triton(q, k, v, s.block_tables, s.kv_lens, s.query_start, s.causal, s.step_bits,
+                                      self.block_size, s.max_query_len, max_kv_len=s.max_kv_len,
+                                      descriptors=self._descriptors.get(layer))
 
     def _reference(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s = self.step

@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import math
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from medusa.kernels.fused_ops_triton import _rotate_q, _rotate_rows
 from medusa.kernels.pdl import pdl_options, wait_for_previous
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
+# MEDUSA_TMA=0 keeps the prefix walk on per-slot loads whatever the page size (to time one against the other)
+TMA_ENABLED = os.environ.get("MEDUSA_TMA", "1") != "0"
 
 
 @triton.jit
@@ -48,10 +53,10 @@ def _softmax_update(s, v, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, kv_lens_ptr, qstart_ptr, causal_ptr,
-    bits_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb, qk_scale,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, kv_lens_ptr, qstart_ptr,
+    causal_ptr, bits_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb, qk_scale,
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     # Grid (row tiles, KV heads * splits, sequences): the row tiles of one (sequence, KV head,
     # split) are adjacent program ids, so they run at the same time and read the same K/V
@@ -100,17 +105,31 @@ def _paged_attention_kernel(
     # hang off no load of their own iteration: each stage past the first then buffers one K/V chunk
     # (with the table load inside the iteration the pipeliner spent two stages per buffer).
     prefix_end = key_begin + tl.maximum(tl.minimum(key_end, prefix) - key_begin, 0) // BLOCK_N * BLOCK_N
-    next_block = tl.load(table + (key_begin + keys) // PAGE, mask=key_begin + keys < prefix_end, other=0)  # [N]
-    for start in range(key_begin, prefix_end, BLOCK_N):
-        logical = start + keys  # [N] several pages per chunk: more loads in flight
-        block = next_block.to(tl.int64)
-        ahead = logical + BLOCK_N
-        next_block = tl.load(table + ahead // PAGE, mask=ahead < prefix_end, other=0)
-        slots = block * PAGE + logical % PAGE  # [N]
-        k = tl.load(k_head + slots[:, None] * stride_ks + dims[None, :])  # [N, D]
-        v = tl.load(v_head + slots[:, None] * stride_ks + dims[None, :])  # [N, D]
-        s = tl.dot(q, tl.trans(k)).to(tl.float32)  # [M, N]
-        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False)
+    if TMA:
+        # Pages of BLOCK_N keys or more: a chunk lies in one page, so K and V each arrive as one bulk
+        # copy (TMA) of [BLOCK_N, D] rows of the pool viewed as [slots, Hkv * D]; only the page's id is
+        # carried, one scalar.
+        next_page = tl.load(table + key_begin // PAGE, mask=key_begin < prefix_end, other=0)
+        for start in range(key_begin, prefix_end, BLOCK_N):
+            row = (next_page * PAGE + start % PAGE).to(tl.int32)  # the chunk's first slot; TMA takes int32
+            ahead = start + BLOCK_N
+            next_page = tl.load(table + ahead // PAGE, mask=ahead < prefix_end, other=0)
+            k = k_desc.load([row, kv_head * HEAD_DIM])  # [N, D]
+            v = v_desc.load([row, kv_head * HEAD_DIM])  # [N, D]
+            s = tl.dot(q, tl.trans(k)).to(tl.float32)  # [M, N]
+            m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False)
+    else:
+        next_block = tl.load(table + (key_begin + keys) // PAGE, mask=key_begin + keys < prefix_end, other=0)  # [N]
+        for start in range(key_begin, prefix_end, BLOCK_N):
+            logical = start + keys  # [N] several pages per chunk: more loads in flight
+            block = next_block.to(tl.int64)
+            ahead = logical + BLOCK_N
+            next_block = tl.load(table + ahead // PAGE, mask=ahead < prefix_end, other=0)
+            slots = block * PAGE + logical % PAGE  # [N]
+            k = tl.load(k_head + slots[:, None] * stride_ks + dims[None, :])  # [N, D]
+            v = tl.load(v_head + slots[:, None] * stride_ks + dims[None, :])  # [N, D]
+            s = tl.dot(q, tl.trans(k)).to(tl.float32)  # [M, N]
+            m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False)
 
     # Phase 2, [prefix_end, own_end): the prefix chunk's unaligned tail (if any) and the step's
     # own tokens, which need the causal or tree mask (int64 bit shifts, emulated on GPUs: only
@@ -173,7 +192,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            causal: torch.Tensor, step_bits: torch.Tensor, block_size: int,
                            max_query_len: int, scale: float | None = None,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
-                           launch: dict | None = None, max_kv_len: int | None = None) -> torch.Tensor:
+                           launch: dict | None = None, max_kv_len: int | None = None,
+                           descriptors: tuple | None = None) -> torch.Tensor:
     """Checked wrapper: shapes, dtypes and strides, then one launch (two with split KV) for the batch.
 
     max_query_len: an upper bound on any sequence's step tokens (sizes the grid
@@ -183,7 +203,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_kv_len: a host-side bound on the sequences' keys, used only to pick that count (None: the
     block table's width); a longer sequence is still attended in full, by fewer programs.
     launch: num_warps and/or num_stages instead of `_launch_config`'s, and optionally block_m / block_n
-    (benchmarks/kernel_bench.py --launch-sweep).
+    (benchmarks/kernel_bench.py --launch-sweep) and tma (True / False instead of `bulk_copies_fit`'s answer).
+    descriptors: `page_descriptors(k_cache, v_cache)`, kept by a caller that attends over the same caches
+    again and again (building them costs host time in every eager call); used where TMA loads are.
     """
     _check(q, k_cache, v_cache, block_tables, kv_lens, query_start, causal, step_bits, block_size)
     num_seqs = block_tables.shape[0]
@@ -210,12 +232,21 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     if not scale > 0:
         raise ValueError(f"scale must be > 0 (the kernel scales each row's maximum), got {scale}")
+    tma = launch.pop("tma", None)
+    tma = bulk_copies_fit(q, k_cache, block_size, block_n) if tma is None else tma
+    if not tma:
+        k_desc, v_desc = k_cache, v_cache  # unused
+    elif descriptors is not None and list(descriptors[0].block_shape) == [block_n, head_dim]:
+        k_desc, v_desc = descriptors
+    else:
+        k_desc, v_desc = page_descriptors(k_cache, v_cache, block_n)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, kv_lens, query_start, causal.to(torch.int32),  # no-op (no launch) for int32
+        q, k_cache, v_cache, k_desc, v_desc, out, part_acc, part_ml, block_tables, kv_lens, query_start,
+        causal.to(torch.int32),  # no-op (no launch) for int32
         step_bits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale * _LOG2E,  # softmax in exp2: scores (and stored maxima) in log2 units
         NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        **_launch_options(_launch_config(block_m, block_n, head_dim, q.element_size(), num_splits), launch),
+        TMA=tma, **_launch_options(_launch_config(block_m, block_n, head_dim, q.element_size(), num_splits), launch),
         **pdl_options(q, q.shape[0]),
     )
     if num_splits > 1 and q.shape[0]:
@@ -223,6 +254,31 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                       num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
                                                       **pdl_options(q, q.shape[0]))
     return out
+
+
+def bulk_copies_fit(q: torch.Tensor, k_cache: torch.Tensor, block_size: int, block_n: int) -> bool:
+    """Whether the prefix walk loads K/V chunks by TMA: a GPU that has it (compute capability 9+),
+    pages of whole chunks (block_size a multiple of block_n, so a chunk never spans two pages), and
+    contiguous, 16-byte aligned fp16/bf16 caches with heads of 64 or 128.
+
+    Measured on an H200 (RESULTS.md, session 28: the issue's tree shape, 32 sequences of 64 tokens,
+    32/8 heads of 128, per call in a CUDA graph): a probe kernel loading 64-token pages this way read
+    KV at 48% of the copy bandwidth at 4096 keys (0.267 ms) where per-slot loads read 33-34% (0.374 ms
+    on 64-token pages, 0.394 on 16-token ones); cuDNN on contiguous K/V without a mask, 56%.
+    """
+    return (TMA_ENABLED and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+            and block_size % block_n == 0 and k_cache.dtype in (torch.float16, torch.bfloat16)
+            and k_cache.shape[2] in (64, 128) and k_cache.is_contiguous() and k_cache.data_ptr() % 16 == 0
+            and k_cache.shape[0] < 2**31)
+
+
+def page_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int = 64) -> tuple:
+    """TMA descriptors of the caches viewed as [slots, Hkv * D], one box = one head's [block_n, D] chunk."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not cache.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [slots, Hkv, D] for TMA loads")
+    head_dim = k_cache.shape[2]
+    return tuple(TensorDescriptor.from_tensor(c.view(c.shape[0], -1), [block_n, head_dim]) for c in (k_cache, v_cache))
 
 
 def _launch_config(block_m: int, block_n: int, head_dim: int, elem_bytes: int, num_splits: int) -> dict:
@@ -251,7 +307,7 @@ def _launch_options(config: dict, launch: dict) -> dict:
     unknown = set(launch) - set(config)
     if unknown:
         raise ValueError(f"unknown attention launch options {sorted(unknown)} (num_warps, num_stages, "
-                         f"block_m, block_n)")
+                         f"block_m, block_n, tma)")
     return config | launch
 
 

@@ -29,8 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt-lookup nodes (n-gram copies of earlier text) in every Medusa tree; 0: off "
                         "(default: 8 on a GPU, 0 on a CPU)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="paged KV cache size per engine, in 16-token blocks (default: from --gpu-memory-utilization "
-                        f"on a GPU, {CPU_BLOCKS} on a CPU)")
+                   help="paged KV cache size per engine, in blocks of --block-size tokens (default: from "
+                        f"--gpu-memory-utilization on a GPU, {CPU_BLOCKS} on a CPU)")
+    p.add_argument("--block-size", type=int, default=16, choices=(16, 32, 64, 128),
+                   help="tokens per KV block; 64 or more loads K/V by TMA on Hopper GPUs (faster attention at "
+                        "long contexts) but shares cached prefixes only in whole blocks (default: 16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="share of the GPU memory left free by the weights that the KV caches may take; "
                         "split between the plain and the Medusa engine")
@@ -63,14 +66,14 @@ def serve(args: argparse.Namespace) -> int:
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(2048, args.max_num_seqs))
     num_blocks = args.num_kv_blocks or auto_num_blocks(
         model, args.gpu_memory_utilization / (2 if model.heads is not None else 1),  # plain + Medusa engines
-        args.max_num_seqs, EngineConfig.block_size)
+        args.max_num_seqs, args.block_size)
     app = build_app(model, name, api_key=args.api_key, max_waiting=args.max_waiting,
-                    engine_config=EngineConfig(num_blocks=num_blocks, scheduler=scheduler,
+                    engine_config=EngineConfig(num_blocks=num_blocks, block_size=args.block_size, scheduler=scheduler,
                                                prompt_lookup=model.prompt_lookup))
     print(f"[medusa serve: '{name}' loaded in {time.perf_counter() - start:.1f}s on "
           f"{model.base.embed_tokens.weight.device}; heads: {'yes' if model.heads is not None else 'none'}; "
           f"prompt lookup: {model.prompt_lookup} nodes; "
-          f"KV cache: {num_blocks} blocks of {EngineConfig.block_size} tokens per engine]",
+          f"KV cache: {num_blocks} blocks of {args.block_size} tokens per engine]",
           file=sys.stderr)
     server = _make_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=10))

@@ -23,6 +23,12 @@ def test_kernels_quick(tmp_path):
     assert all(r["seconds"] > 0 for r in results["steps"]) and results["launch_sweep"] == []
 
 
+def test_kernels_quick_on_64_token_pages(tmp_path):
+    results = run("kernel_bench.py", tmp_path, "--block-size", "64", "--skip-attention", "--batches", "1",
+                  "--tree-sizes", "4")
+    assert results["block_size"] == 64 and [r["tree_tokens"] for r in results["steps"]] == [4]
+
+
 @pytest.mark.parametrize("sweep", ["--launch-sweep", "--split-sweep"])
 def test_kernels_sweeps_need_a_gpu(tmp_path, sweep):
     if __import__("torch").cuda.is_available():

@@ -83,8 +83,8 @@ def test_throughput_rejects_a_bad_length_spread(tmp_path):
 
 
 def test_throughput_quick_with_seeded_sampled_requests(tmp_path):
-    results = run("throughput.py", tmp_path, "--temperature", "0.7", "--repeats", "1")
-    assert results["temperature"] == 0.7
+    results = run("throughput.py", tmp_path, "--temperature", "0.7", "--repeats", "1", "--block-size", "32")
+    assert results["temperature"] == 0.7 and results["block_size"] == 32
     rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
     assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 4)}
     assert all(r["tok_s"] > 0 and r["tokens"] == 3 * r["concurrency"] * 8 for r in rows.values())

@@ -238,3 +238,33 @@ def test_short_plain_steps_replay_their_bounded_graphs(default_model_dir):
     assert engine.generate(prompts[:1], SamplingParams(max_tokens=20))[0].token_ids == references[0]
     assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=20))] == references
     assert bounds and set(bounds) == {SHORT_KV_KEYS}
+
+
+def test_engine_on_64_token_blocks_loads_pages_by_tma_and_changes_no_token(default_model_dir):
+    """bf16 on 64-token blocks: the attention's prefix walk takes TMA loads (descriptors built once per
+    layer), over the same 64-key chunks as on 16-token blocks, so one pinned tree gives the same tokens."""
+    model = MedusaModel.from_pretrained(device="cuda", dtype=torch.bfloat16)
+    rows = [json.loads(line) for line in (DATA_DIR / "spec_bench.jsonl").read_text().splitlines()]
+    prompts = [model.encode([{"role": "user", "content": r["turns"][0][:900]}]) for r in rows[::60][:8]]
+    # one tree, no prefix caching: both engines then run the very same steps (cached prefixes would
+    # differ with the block size, and so would which prefill computed their KV)
+    config = replace(model.engine_config(), trees=model.engine_config().trees[-1:], enable_prefix_caching=False)
+    outputs = {}
+    for block_size in (16, 64):
+        engine = LLMEngine(model.base, model.heads, replace(config, block_size=block_size,
+                                                            num_blocks=256 * 16 // block_size),
+                           model.tokenizer, sorted(model.eos_token_ids))
+        engine.warmup()
+        outputs[block_size] = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=40))]
+        cache = engine.runner.cache
+        if block_size == 64 and torch.cuda.get_device_capability()[0] >= 9:
+            assert len(cache._descriptors) == model.base.config.num_layers
+        else:
+            assert not cache._descriptors
+    assert outputs[64] == outputs[16]
+
+
+def test_a_gpu_engine_names_a_block_size_its_kernels_cannot_page(default_model_dir):
+    model = MedusaModel.from_pretrained(device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block_size must be a power of two >= 16 on a GPU.*got 24"):
+        LLMEngine(model.base, model.heads, replace(model.engine_config(), block_size=24), model.tokenizer)

@@ -45,3 +45,12 @@ def test_serve_names_a_bad_memory_setting(flag, value, message):
     cli.add_arguments(parser)
     with pytest.raises(ValueError, match=message):
         cli.serve(parser.parse_args([flag, value]))
+
+
+def test_serve_offers_only_block_sizes_the_kernels_page():
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert parser.parse_args(["--block-size", "64"]).block_size == 64
+    assert parser.parse_args([]).block_size == 16
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--block-size", "24"])

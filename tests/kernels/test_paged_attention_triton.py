@@ -6,7 +6,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from medusa.kernels.paged_attention import paged_attention_reference  # noqa: E402
-from medusa.kernels.paged_attention_triton import paged_attention_triton  # noqa: E402
+from medusa.kernels.paged_attention_triton import bulk_copies_fit, paged_attention_triton  # noqa: E402
 from medusa.tree import TreeSpec  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,6 +106,36 @@ def test_prefix_and_step_phases_match_reference(layout, num_splits, page, dtype)
     assert torch.allclose(got.float(), expected, atol=tol, rtol=tol)
 
 
+# pages of 64 keys hold one chunk, of 128 two (the chunk's offset in its page is not 0)
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("num_splits", [1, 8])
+@pytest.mark.parametrize("layout", sorted(PHASE_LAYOUTS))
+def test_prefix_walk_by_bulk_copies_matches_reference(layout, num_splits, page):
+    """The prefix walk's TMA path (descriptor loads of whole chunks) forced on, heads of 64."""
+    kinds, prefixes, hq, hkv = PHASE_LAYOUTS[layout]
+    batch, max_q = random_batch(30 + num_splits, kinds, 0, hq, hkv, 64, page, torch.float16,
+                                num_blocks=4096 // page, prefixes=prefixes)
+    expected = paged_attention_reference(**{**batch, "q": batch["q"].float(), "k_cache": batch["k_cache"].float(),
+                                            "v_cache": batch["v_cache"].float()}, block_size=page)
+    poisoned = torch.full_like(batch["q"], float("nan"))
+    got = paged_attention_triton(**batch, block_size=page, max_query_len=max_q, out=poisoned, num_splits=num_splits,
+                                 launch=dict(tma=True))
+    assert not got.isnan().any()
+    assert torch.allclose(got.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_bulk_copies_need_whole_chunk_pages_on_a_gpu_with_tma():
+    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(256, 2, 128, dtype=torch.bfloat16)
+    assert not bulk_copies_fit(q, cache, 64, 64)  # a CPU tensor: no TMA
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        q, cache = q.cuda(), cache.cuda()
+        assert bulk_copies_fit(q, cache, 64, 64) and bulk_copies_fit(q, cache, 128, 64)
+        assert not bulk_copies_fit(q, cache, 16, 64)  # a chunk would span four pages
+        assert not bulk_copies_fit(q.float(), cache.float(), 64, 64)
+        assert not bulk_copies_fit(q, cache[:, :1], 64, 64)  # not contiguous
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_split_count_fills_the_gpu_without_overshooting(block_m):
     """The most splits (a power of two) that keep programs within the target and two key chunks
@@ -189,24 +219,27 @@ def test_wrapper_names_bad_inputs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64])  # 64: the prefix walk by TMA on Hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_matches_reference_full_size(dtype):
+def test_kernel_matches_reference_full_size(dtype, page):
     kinds = ["tree-64"] * 24 + [512] * 4 + ["tree-16"] * 4
-    batch, max_q = random_batch(7, kinds, 2048, 32, 8, 128, 16, dtype, num_blocks=8192)
-    expected = paged_attention_reference(**batch, block_size=16)
+    batch, max_q = random_batch(7, kinds, 2048, 32, 8, 128, page, dtype, num_blocks=8192 * 16 // page)
+    expected = paged_attention_reference(**batch, block_size=page)
     for splits in (None, 1, 16):
-        got = paged_attention_triton(**batch, block_size=16, max_query_len=max_q, num_splits=splits)
+        got = paged_attention_triton(**batch, block_size=page, max_query_len=max_q, num_splits=splits)
         assert torch.allclose(got.float(), expected.float(), atol=2e-2, rtol=2e-2), splits
 
 
 @pytest.mark.gpu
-def test_split_kv_replays_in_a_cuda_graph():
-    """Split KV inside a CUDA graph: the partials and their merge replay correctly, again and again."""
-    batch, max_q = random_batch(9, ["single"] * 3 + ["tree-64"], 3000, 32, 8, 128, 16, torch.bfloat16,
-                                num_blocks=1024)
-    expected = paged_attention_reference(**batch, block_size=16)
+@pytest.mark.parametrize("page", [16, 64])
+def test_split_kv_replays_in_a_cuda_graph(page):
+    """Split KV inside a CUDA graph: the partials and their merge (and at 64-key pages the TMA
+    descriptors, kernel parameters fixed at capture) replay correctly, again and again."""
+    batch, max_q = random_batch(9, ["single"] * 3 + ["tree-64"], 3000, 32, 8, 128, page, torch.bfloat16,
+                                num_blocks=1024 * 16 // page)
+    expected = paged_attention_reference(**batch, block_size=page)
     out = torch.empty_like(batch["q"])
-    run = lambda: paged_attention_triton(**batch, block_size=16, max_query_len=max_q, out=out, num_splits=16)  # noqa: E731
+    run = lambda: paged_attention_triton(**batch, block_size=page, max_query_len=max_q, out=out, num_splits=16)  # noqa: E731
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
