@@ -88,9 +88,13 @@ def attention_curve(args, device, dtype) -> list[dict]:
         batch = paged_batch(args.batch, context, args.tree, args.q_heads, args.kv_heads, args.head_dim, dtype, device,
                             page=page)
         if device.type == "cuda":
-            from medusa.kernels.paged_attention_triton import paged_attention_triton
+            from medusa.kernels.paged_attention_triton import bulk_copies_fit, page_descriptors, paged_attention_triton
 
-            fn = lambda: paged_attention_triton(**batch, block_size=page, max_query_len=args.tree)  # noqa: E731
+            # TMA descriptors built once, as the engine's cache keeps them (an eager call would build them each time)
+            descs = page_descriptors(batch["k_cache"], batch["v_cache"]) \
+                if bulk_copies_fit(batch["q"], batch["k_cache"], page, 64) else None
+            fn = lambda: paged_attention_triton(**batch, block_size=page, max_query_len=args.tree,  # noqa: E731
+                                                descriptors=descs)
         else:
             fn = lambda: paged_attention_reference(**batch, block_size=page)  # noqa: E731
         seconds = timed(fn, args.repeats, device)

@@ -261,10 +261,11 @@ def bulk_copies_fit(q: torch.Tensor, k_cache: torch.Tensor, block_size: int, blo
     pages of whole chunks (block_size a multiple of block_n, so a chunk never spans two pages), and
     contiguous, 16-byte aligned fp16/bf16 caches with heads of 64 or 128.
 
-    Measured on an H200 (RESULTS.md, session 28: the issue's tree shape, 32 sequences of 64 tokens,
-    32/8 heads of 128, per call in a CUDA graph): a probe kernel loading 64-token pages this way read
-    KV at 48% of the copy bandwidth at 4096 keys (0.267 ms) where per-slot loads read 33-34% (0.374 ms
-    on 64-token pages, 0.394 on 16-token ones); cuDNN on contiguous K/V without a mask, 56%.
+    Measured on an H200 (RESULTS.md, session 28, per call in a CUDA graph): 32 sequences of 64 tree
+    tokens, 32/8 heads of 128, 4096 keys took 0.281-0.286 ms this way (45-46% of the copy bandwidth)
+    against 0.374-0.394 on 16-key pages; over three model shapes, 1-32 sequences of 1-64 tokens and
+    512-4096 keys, 0.94x on average (0.77-1.08x). On 16-key pages, four boxes a chunk ran slower than
+    per-slot loads (0.446 against 0.369 ms there), so those keep them.
     """
     return (TMA_ENABLED and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
             and block_size % block_n == 0 and k_cache.dtype in (torch.float16, torch.bfloat16)
