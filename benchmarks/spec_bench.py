@@ -5,6 +5,7 @@
     python benchmarks/spec_bench.py --quick --out out/sb-quick         # CPU smoke run (CI)
     python benchmarks/spec_bench.py --prompt-lookup 4 --out out/sb-pl4 # Medusa trees + a 4-node lookup chain
     python benchmarks/spec_bench.py --pin-tree --prompt-lookup 0 --out out/sb-heads  # the heads' own tree, every step
+    python benchmarks/spec_bench.py --decoder generate --per-category 2 --out out/sb-cpu  # what `medusa generate` runs
 
 Writes results.json (per category and overall: tokens/s of each system, Medusa's
 speedup over plain and over HF, mean accepted length, how many greedy outputs
@@ -79,6 +80,26 @@ def run_ours(model: MedusaModel, engine: LLMEngine, question: dict, max_new_toke
         turns.append({"tokens": len(out.token_ids), "seconds": seconds, "steps": out.stats.steps,
                       "emitted": sum(out.stats.accepted_lengths), "from_lookup": out.stats.accepted_from_lookup,
                       "trees": {t: n for t, n in trees.items() if n}, "ids": list(out.token_ids), "prompt": ids})
+    return turns
+
+
+def run_generate(model: MedusaModel, question: dict, max_new_tokens: int, speculative: bool) -> list[dict]:
+    """Every turn of the question through `MedusaModel.generate` of one prompt, as `medusa generate` runs it:
+    on a CPU the batch-1 decoder (the tree timed at load, greedy steps gated to plain where speculation loses),
+    on a GPU the engine. It does not count lookup acceptances (from_lookup 0)."""
+    messages, turns = [], []
+    for turn in question["turns"]:
+        messages.append({"role": "user", "content": turn})
+        ids = model.encode(list(messages))
+        sync()
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=max_new_tokens, speculative=speculative)
+        sync()
+        seconds = time.perf_counter() - start
+        messages.append({"role": "assistant", "content": out.text})
+        turns.append({"tokens": len(out.token_ids), "seconds": seconds, "steps": out.steps,
+                      "emitted": sum(out.accepted_lengths), "from_lookup": 0, "trees": {},
+                      "ids": list(out.token_ids), "prompt": ids})
     return turns
 
 
@@ -196,7 +217,13 @@ def main() -> None:
     p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
                         f"heads alone (default: the library's, {DEFAULT_PROMPT_LOOKUP} on a GPU and 0 on a CPU)")
+    p.add_argument("--decoder", default="engine", choices=("engine", "generate"),
+                   help="engine: each turn alone on the batching engine (the GPU path); generate: "
+                        "MedusaModel.generate of one prompt, which on a CPU is the batch-1 decoder that `medusa "
+                        "generate` runs (its tree timed at load, its speculation gate)")
     args = p.parse_args()
+    if args.decoder == "generate" and args.pin_tree:
+        p.error("--pin-tree pins the engine's tree: with --decoder generate the batch-1 decoder times its own")
     if args.quick:
         args.per_category, args.max_new_tokens, args.limit = 1, 8, 4
         args.hf_per_category = min(args.hf_per_category, 1)
@@ -211,11 +238,18 @@ def main() -> None:
     medusa_engine = pinned_engine(model) if args.pin_tree else model.engine(True)
     plain_engine.warmup()  # captures the CUDA graphs before anything is timed
     policy = medusa_engine.warmup()  # and measures which tree each batch size gets
+    if args.decoder == "generate":
+        batch1_tree = model.resolve_tree().label  # timed at load on a CPU, before anything is timed
+        run_plain = lambda q: run_generate(model, q, args.max_new_tokens, False)  # noqa: E731
+        run_medusa = lambda q: run_generate(model, q, args.max_new_tokens, True)  # noqa: E731
+    else:
+        batch1_tree = None
+        run_plain = lambda q: run_ours(model, plain_engine, q, args.max_new_tokens)  # noqa: E731
+        run_medusa = lambda q: run_ours(model, medusa_engine, q, args.max_new_tokens)  # noqa: E731
     references = reference_turns(reference, questions, args.max_new_tokens) if reference is not None else None
     records, hf_taken = [], defaultdict(int)
     for index, q in enumerate(tqdm(questions, desc="spec-bench", dynamic_ncols=True)):
-        rec = {"category": q["category"], "plain": run_ours(model, plain_engine, q, args.max_new_tokens),
-               "medusa": run_ours(model, medusa_engine, q, args.max_new_tokens)}
+        rec = {"category": q["category"], "plain": run_plain(q), "medusa": run_medusa(q)}
         if hf is not None and hf_taken[q["category"]] < args.hf_per_category:
             hf_taken[q["category"]] += 1
             rec["hf"] = run_hf(hf, model, q, args.max_new_tokens)
@@ -225,7 +259,8 @@ def main() -> None:
     by_cat = defaultdict(list)
     for r in records:
         by_cat[r["category"]].append(r)
-    summary = {"device": _device_name(), "tree_nodes": max(t.num_nodes for t in medusa_engine.scheduler.trees),
+    summary = {"device": _device_name(), "decoder": args.decoder, "batch1_tree": batch1_tree,
+               "tree_nodes": max(t.num_nodes for t in medusa_engine.scheduler.trees),
                "tree_policy": policy, "pinned_tree": args.pin_tree,
                "candidate_trees": [t.label for t in medusa_engine.scheduler.trees],
                "prompt_lookup": model.prompt_lookup, "max_new_tokens": args.max_new_tokens,

@@ -18,3 +18,13 @@ def test_spec_bench_quick(default_model_dir, tmp_path):
     assert sum(overall["decode_steps_per_tree"].values()) == overall["medusa_steps"] > 0
     assert results["candidate_trees"][0] == "single" and results["candidate_trees"][-1] == "heads"  # unpinned
     assert len(results["candidate_trees"]) == 6
+
+
+def test_spec_bench_quick_through_the_batch1_decoder(default_model_dir, tmp_path):
+    """--decoder generate: MedusaModel.generate per turn, on a CPU the batch-1 decoder `medusa generate` runs."""
+    results = run("spec_bench.py", tmp_path, "--decoder", "generate")
+    overall = results["overall"]
+    assert results["decoder"] == "generate" and results["batch1_tree"]  # the tree timed at load
+    assert overall["questions"] == 4 and overall["plain_tok_s"] > 0 and overall["medusa_tok_s"] > 0
+    assert overall["identical_greedy_turns"] == overall["turns"]  # float32 on the CPU: exact
+    assert overall["decode_steps_per_tree"] == {} and overall["medusa_steps"] > 0
