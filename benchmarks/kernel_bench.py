@@ -92,7 +92,7 @@ def attention_curve(args, device, dtype) -> list[dict]:
 
             # TMA descriptors built once, as the engine's cache keeps them (an eager call would build them each time)
             descs = page_descriptors(batch["k_cache"], batch["v_cache"]) \
-                if bulk_copies_fit(batch["q"], batch["k_cache"], page, 64) else None
+                if bulk_copies_fit(batch["q"], batch["k_cache"], batch["v_cache"], page) else None
             fn = lambda: paged_attention_triton(**batch, block_size=page, max_query_len=args.tree,  # noqa: E731
                                                 descriptors=descs)
         else:

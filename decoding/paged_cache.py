@@ -89,7 +89,7 @@ class PagedKVCache:
         from medusa.kernels.paged_attention_triton import bulk_copies_fit, page_descriptors, paged_attention_triton
 
         s, k, v = self.step, self.k[layer], self.v[layer]
-        if layer not in self._descriptors and bulk_copies_fit(q, k, self.block_size, 64):
+        if layer not in self._descriptors and bulk_copies_fit(q, k, v, self.block_size):
             self._descriptors[layer] = page_descriptors(k, v)  # built once: eager calls would pay each time
         return paged_attention_triton(q, k, v, s.block_tables, s.kv_lens, s.query_start, s.causal, s.step_bits,
                                       self.block_size, s.max_query_len, max_kv_len=s.max_kv_len,

@@ -13,7 +13,6 @@ sees (no mask), then the step's own tokens under the causal or tree mask.
 from __future__ import annotations
 
 import math
-
 import os
 
 import torch
@@ -233,7 +232,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if not scale > 0:
         raise ValueError(f"scale must be > 0 (the kernel scales each row's maximum), got {scale}")
     tma = launch.pop("tma", None)
-    tma = bulk_copies_fit(q, k_cache, block_size, block_n) if tma is None else tma
+    tma = bulk_copies_fit(q, k_cache, v_cache, block_size, block_n) if tma is None else tma
     if not tma:
         k_desc, v_desc = k_cache, v_cache  # unused
     elif descriptors is not None and list(descriptors[0].block_shape) == [block_n, head_dim]:
@@ -256,7 +255,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def bulk_copies_fit(q: torch.Tensor, k_cache: torch.Tensor, block_size: int, block_n: int) -> bool:
+def bulk_copies_fit(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,
+                    block_n: int = 64) -> bool:
     """Whether the prefix walk loads K/V chunks by TMA: a GPU that has it (compute capability 9+),
     pages of whole chunks (block_size a multiple of block_n, so a chunk never spans two pages), and
     contiguous, 16-byte aligned fp16/bf16 caches with heads of 64 or 128.
@@ -269,8 +269,8 @@ def bulk_copies_fit(q: torch.Tensor, k_cache: torch.Tensor, block_size: int, blo
     """
     return (TMA_ENABLED and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
             and block_size % block_n == 0 and k_cache.dtype in (torch.float16, torch.bfloat16)
-            and k_cache.shape[2] in (64, 128) and k_cache.is_contiguous() and k_cache.data_ptr() % 16 == 0
-            and k_cache.shape[0] < 2**31)
+            and k_cache.shape[2] in (64, 128) and k_cache.shape[0] < 2**31
+            and all(c.is_contiguous() and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache)))
 
 
 def page_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int = 64) -> tuple:

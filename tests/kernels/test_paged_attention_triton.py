@@ -127,13 +127,15 @@ def test_prefix_walk_by_bulk_copies_matches_reference(layout, num_splits, page):
 def test_bulk_copies_need_whole_chunk_pages_on_a_gpu_with_tma():
     q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
     cache = torch.zeros(256, 2, 128, dtype=torch.bfloat16)
-    assert not bulk_copies_fit(q, cache, 64, 64)  # a CPU tensor: no TMA
+    assert not bulk_copies_fit(q, cache, cache, 64)  # a CPU tensor: no TMA
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         q, cache = q.cuda(), cache.cuda()
-        assert bulk_copies_fit(q, cache, 64, 64) and bulk_copies_fit(q, cache, 128, 64)
-        assert not bulk_copies_fit(q, cache, 16, 64)  # a chunk would span four pages
-        assert not bulk_copies_fit(q.float(), cache.float(), 64, 64)
-        assert not bulk_copies_fit(q, cache[:, :1], 64, 64)  # not contiguous
+        assert bulk_copies_fit(q, cache, cache, 64) and bulk_copies_fit(q, cache, cache, 128)
+        assert not bulk_copies_fit(q, cache, cache, 16)  # a chunk would span four pages
+        assert not bulk_copies_fit(q.float(), cache.float(), cache.float(), 64)
+        assert not bulk_copies_fit(q, cache, cache[:, :1], 64)  # v not contiguous
+        misaligned = cache.view(-1)[4:4 + cache.numel() // 2].view(128, 2, 128)  # 8 bytes past an aligned start
+        assert not bulk_copies_fit(q, misaligned, cache[:128], 64)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
