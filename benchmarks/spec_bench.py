@@ -35,7 +35,7 @@ from medusa.adapter import has_adapter
 from medusa.attention import CausalAttention
 from medusa.decoding.engine import LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
-from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP, MedusaModel
+from medusa.medusa_model import CPU_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP, MedusaModel
 from medusa.training.data import DATA_DIR
 from common import sync
 from plotting import pyplot
@@ -216,7 +216,8 @@ def main() -> None:
                         "trees or plain steps), so the accepted length is the heads' alone")
     p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
-                        f"heads alone (default: the library's, {DEFAULT_PROMPT_LOOKUP} on a GPU and 0 on a CPU)")
+                        f"heads alone (default: the library's, {DEFAULT_PROMPT_LOOKUP} on a GPU and "
+                        f"{CPU_PROMPT_LOOKUP} on a CPU)")
     p.add_argument("--decoder", default="engine", choices=("engine", "generate"),
                    help="engine: each turn alone on the batching engine (the GPU path); generate: "
                         "MedusaModel.generate of one prompt, which on a CPU is the batch-1 decoder that `medusa "

@@ -38,7 +38,7 @@ import torch
 from medusa.config import ModelConfig
 from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
-from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP, default_prompt_lookup
+from medusa.medusa_model import CPU_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP, default_prompt_lookup
 from medusa.decoding.scheduler import SchedulerConfig
 from medusa.heads import HeadsConfig, MedusaHeads
 from medusa.loading import empty_model
@@ -301,7 +301,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 levels, 8 tokens (CPU, CI)")
     p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
-                        f"heads alone (default: the library's, {DEFAULT_PROMPT_LOOKUP} on a GPU and 0 on a CPU)")
+                        f"heads alone (default: the library's, {DEFAULT_PROMPT_LOOKUP} on a GPU and "
+                        f"{CPU_PROMPT_LOOKUP} on a CPU)")
     args = p.parse_args()
     if not 0 <= args.length_spread < 1:
         p.error(f"--length-spread must be in [0, 1), got {args.length_spread}")

@@ -41,7 +41,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                         "output identical to plain decoding, where bfloat16 may differ at near-ties")
     p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes (n-gram copies of earlier text) added to the tree; 0: the heads "
-                        "alone (default: the library's, 8 on a GPU, 0 on a CPU)")
+                        "alone (default: the library's, 8 on a GPU, 4 on a CPU)")
     p.add_argument("--compare", action="store_true",
                    help="also decode without speculation and report the measured speedup")
     p.set_defaults(run=_generate)

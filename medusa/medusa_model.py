@@ -64,13 +64,17 @@ class GenerationStream:
 # E4), and with 16-token steps 8 took them from 2.97 to 3.46 tokens on 65 questions (1.81x -> 2.07x its
 # plain decoding; 6: 1.97x, 12: 2.08x) and to 3.30 tokens, 1.995x, on all 480 (RESULTS.md, session 20; 3.15
 # tokens, 1.93x, in session 21's lease, whose policy ran the 12-token tree most).
-# On a CPU every tree node costs about a token's compute, and the chain made a general chat prompt
-# slower (0.85x -> 0.61x on 2 cores): none there by default.
 DEFAULT_PROMPT_LOOKUP = 8
+# On a CPU every tree node costs about a token's compute, so the chain is shorter there. Through the batch-1
+# decoder (the tree timed at load, the speculation gate) on 26 Spec-Bench questions, 2 per category, 128
+# tokens, 2 cores, float32: 4 nodes 1.27x plain decoding, 8 nodes 1.21x, none 1.07x, and 4 was no slower than
+# plain in any category (RESULTS.md, session 28). Before the CPU's large-weight products ran swapped
+# (session 27) a chain had made a chat prompt slower (0.85x -> 0.61x).
+CPU_PROMPT_LOOKUP = 4
 
 
 def default_prompt_lookup(device: torch.device) -> int:
-    return DEFAULT_PROMPT_LOOKUP if torch.device(device).type == "cuda" else 0
+    return DEFAULT_PROMPT_LOOKUP if torch.device(device).type == "cuda" else CPU_PROMPT_LOOKUP
 
 
 # Tokens a step of each searched candidate tree carries, lookup chain included. On an H200 a step of the
@@ -125,7 +129,7 @@ class MedusaModel:
         "auto" (measure step cost on this device), or None (the heads' own tree,
         else "auto"). dtype: torch.bfloat16 or its name, None: bfloat16 on a GPU, float32 on a
         CPU. prompt_lookup: L > 0 adds L prompt-lookup nodes (n-gram copies of
-        earlier text) to speculative trees; None: 8 on a GPU, 0 on a CPU (see
+        earlier text) to speculative trees; None: 8 on a GPU, 4 on a CPU (see
         DEFAULT_PROMPT_LOOKUP); 0: the heads alone. Outputs are unchanged either way.
         """
         from medusa import default_model

@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
     p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes (n-gram copies of earlier text) in every Medusa tree; 0: off "
-                        "(default: 8 on a GPU, 0 on a CPU)")
+                        "(default: 8 on a GPU, 4 on a CPU)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="paged KV cache size per engine, in blocks of --block-size tokens (default: from "
                         f"--gpu-memory-utilization on a GPU, {CPU_BLOCKS} on a CPU)")

@@ -152,15 +152,15 @@ def test_the_batch1_decoder_fills_lookup_chains_from_its_own_index(tiny, repeats
         assert max(decoder.stats.accepted_lengths) > 1 + 4  # past the heads: the chain was accepted
 
 
-def test_medusa_model_default_lookup_is_on_for_a_gpu_only(tiny):
+def test_medusa_model_default_lookup_is_shorter_on_a_cpu(tiny):
     import torch
 
-    from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP, MedusaModel, default_prompt_lookup
+    from medusa.medusa_model import CPU_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP, MedusaModel, default_prompt_lookup
 
     model, heads = tiny
-    assert default_prompt_lookup(torch.device("cuda")) == DEFAULT_PROMPT_LOOKUP > 0
-    assert default_prompt_lookup("cpu") == 0  # every tree node costs compute on a CPU
-    assert MedusaModel(model, None, heads).prompt_lookup == 0  # this model is on the CPU
+    assert default_prompt_lookup(torch.device("cuda")) == DEFAULT_PROMPT_LOOKUP > CPU_PROMPT_LOOKUP > 0
+    assert default_prompt_lookup("cpu") == CPU_PROMPT_LOOKUP  # every tree node costs compute on a CPU
+    assert MedusaModel(model, None, heads).prompt_lookup == CPU_PROMPT_LOOKUP  # this model is on the CPU
     medusa = MedusaModel(model, None, heads, prompt_lookup=3)
     assert medusa.decoder("tree-8").tree.num_lookup == 3  # the batch-1 decoder gets the chain too
     assert medusa.decoder("single").tree.num_lookup == 0

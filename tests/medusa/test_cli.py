@@ -29,9 +29,10 @@ def test_generate_rejects_an_unknown_dtype(capsys):
 def test_help_texts_give_the_library_default_prompt_lookup(capsys):
     """The CLI spells the default out (importing the model to read it would slow `--help`): it must follow
     DEFAULT_PROMPT_LOOKUP (it said 4 after the default became 8)."""
-    from medusa.medusa_model import DEFAULT_PROMPT_LOOKUP
+    from medusa.medusa_model import CPU_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP
 
     for command in ("generate", "serve"):
         with pytest.raises(SystemExit):
             main([command, "--help"])
-        assert f"{DEFAULT_PROMPT_LOOKUP} on a GPU, 0 on a CPU" in " ".join(capsys.readouterr().out.split()), command
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"{DEFAULT_PROMPT_LOOKUP} on a GPU, {CPU_PROMPT_LOOKUP} on a CPU" in text, command
