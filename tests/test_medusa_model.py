@@ -127,7 +127,7 @@ def test_the_tree_measured_here_is_gated_and_a_pinned_one_is_not(model, monkeypa
     monkeypatch.setattr(model, "_tree_choice", None)
     monkeypatch.setattr(model, "_auto_choice", None)
     auto = model.decoder()
-    assert auto.gate is not None and auto.tree.spec.name == "tree-4"
+    assert auto.gate is not None and auto.tree.spec == TreeSpec.load("tree-4").with_lookup(model.prompt_lookup)
     assert model.decoder(model.resolve_tree()) is auto  # the CLI passes the resolved tree back
     assert model.decoder("tree-4").gate is None and model.decoder("single").gate is None
     medusa = model.chat(QUESTION, max_new_tokens=24)

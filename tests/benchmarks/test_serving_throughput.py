@@ -8,6 +8,8 @@ import sys
 import pytest
 from bench_scripts import ROOT, run
 
+from medusa.medusa_model import CPU_PROMPT_LOOKUP
+
 pytestmark = pytest.mark.slow
 
 
@@ -23,7 +25,7 @@ def test_serving_quick(default_model_dir, tmp_path):
     assert rows[("medusa", 1)]["mean_accepted_length"] >= 1.0  # the server's counters moved
     assert results["environment"]["server_exit_code"] == 0  # SIGTERM: a clean shutdown
     assert results["environment"]["kv_blocks"] == 512  # the CPU's pool; a GPU sizes it from free memory
-    assert results["environment"]["prompt_lookup"] == 0  # none by default on a CPU
+    assert results["environment"]["prompt_lookup"] == CPU_PROMPT_LOOKUP  # the CPU's default chain
     assert (tmp_path / "serving.png").stat().st_size > 0
 
 

@@ -16,7 +16,10 @@ def test_spec_bench_quick(default_model_dir, tmp_path):
     assert overall["identical_greedy_turns"] == overall["turns"]  # float32 on the CPU: exact
     assert len(results["categories"]) == 4
     assert sum(overall["decode_steps_per_tree"].values()) == overall["medusa_steps"] > 0
-    assert results["candidate_trees"][0] == "single" and results["candidate_trees"][-1] == "heads"  # unpinned
+    from medusa.medusa_model import CPU_PROMPT_LOOKUP
+
+    own = f"heads+lookup{CPU_PROMPT_LOOKUP}"  # the heads' own tree with the CPU's default lookup chain
+    assert results["candidate_trees"][0] == "single" and results["candidate_trees"][-1] == own  # unpinned
     assert len(results["candidate_trees"]) == 6
 
 

@@ -36,7 +36,7 @@ def test_32_staggered_requests_match_batch1_plain_greedy(default_model_dir):
     launched = count_launches(engine)
     done = run_staggered(engine, prompts, params, per_step=4)
     check(done, references)
-    assert max(launched) > 1 and len(launched) > 20  # speculative steps overlapped (plain ones: test_engine_overlap)
+    assert max(launched) > 1 and len(launched) > 10  # speculative steps overlapped (plain ones: test_engine_overlap)
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
