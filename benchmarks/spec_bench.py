@@ -63,44 +63,49 @@ def pinned_engine(model: MedusaModel) -> LLMEngine:
                      sorted(model.eos_token_ids))
 
 
-def run_ours(model: MedusaModel, engine: LLMEngine, question: dict, max_new_tokens: int) -> list[dict]:
-    """Every turn of the question, alone on `engine`; later turns see the model's own earlier answers."""
+def run_turns(model: MedusaModel, question: dict, decode) -> list[dict]:
+    """Every turn of the question, alone; later turns see the model's own earlier answers.
+    decode(prompt ids) -> (text, the turn's record: tokens, seconds, steps, emitted, from_lookup, trees, ids)."""
     messages, turns = [], []
     for turn in question["turns"]:
         messages.append({"role": "user", "content": turn})
         ids = model.encode(list(messages))
+        text, record = decode(ids)
+        messages.append({"role": "assistant", "content": text})
+        turns.append({**record, "prompt": ids})
+    return turns
+
+
+def on_engine(engine: LLMEngine, max_new_tokens: int):
+    """decode for run_turns: the prompt alone on `engine`, with the trees its steps ran."""
+    def decode(ids: list[int]) -> tuple[str, dict]:
         trees_before = engine.stats().steps_per_tree
         sync()
         start = time.perf_counter()
         out = engine.generate([ids], SamplingParams(max_tokens=max_new_tokens))[0]
         seconds = time.perf_counter() - start
-        messages.append({"role": "assistant", "content": out.text})
         trees = {t: n - trees_before.get(t, 0) for t, n in engine.stats().steps_per_tree.items()}
         # accepted length: tokens per verification step (the prefill's first token is not one)
-        turns.append({"tokens": len(out.token_ids), "seconds": seconds, "steps": out.stats.steps,
-                      "emitted": sum(out.stats.accepted_lengths), "from_lookup": out.stats.accepted_from_lookup,
-                      "trees": {t: n for t, n in trees.items() if n}, "ids": list(out.token_ids), "prompt": ids})
-    return turns
+        return out.text, {"tokens": len(out.token_ids), "seconds": seconds, "steps": out.stats.steps,
+                          "emitted": sum(out.stats.accepted_lengths), "from_lookup": out.stats.accepted_from_lookup,
+                          "trees": {t: n for t, n in trees.items() if n}, "ids": list(out.token_ids)}
+    return decode
 
 
-def run_generate(model: MedusaModel, question: dict, max_new_tokens: int, speculative: bool) -> list[dict]:
-    """Every turn of the question through `MedusaModel.generate` of one prompt, as `medusa generate` runs it:
-    on a CPU the batch-1 decoder (the tree timed at load, greedy steps gated to plain where speculation loses),
-    on a GPU the engine. It does not count lookup acceptances (from_lookup 0)."""
-    messages, turns = [], []
-    for turn in question["turns"]:
-        messages.append({"role": "user", "content": turn})
-        ids = model.encode(list(messages))
+def through_generate(model: MedusaModel, max_new_tokens: int, speculative: bool):
+    """decode for run_turns: `MedusaModel.generate` of one prompt, as `medusa generate` runs it: on a CPU the
+    batch-1 decoder (the tree timed at load, greedy steps gated to plain where speculation loses), on a GPU
+    the engine. It does not count lookup acceptances (from_lookup 0)."""
+    def decode(ids: list[int]) -> tuple[str, dict]:
         sync()
         start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=max_new_tokens, speculative=speculative)
         sync()
         seconds = time.perf_counter() - start
-        messages.append({"role": "assistant", "content": out.text})
-        turns.append({"tokens": len(out.token_ids), "seconds": seconds, "steps": out.steps,
-                      "emitted": sum(out.accepted_lengths), "from_lookup": 0, "trees": {},
-                      "ids": list(out.token_ids), "prompt": ids})
-    return turns
+        return out.text, {"tokens": len(out.token_ids), "seconds": seconds, "steps": out.steps,
+                          "emitted": sum(out.accepted_lengths), "from_lookup": 0, "trees": {},
+                          "ids": list(out.token_ids)}
+    return decode
 
 
 @torch.inference_mode()
@@ -241,16 +246,14 @@ def main() -> None:
     policy = medusa_engine.warmup()  # and measures which tree each batch size gets
     if args.decoder == "generate":
         batch1_tree = model.resolve_tree().label  # timed at load on a CPU, before anything is timed
-        run_plain = lambda q: run_generate(model, q, args.max_new_tokens, False)  # noqa: E731
-        run_medusa = lambda q: run_generate(model, q, args.max_new_tokens, True)  # noqa: E731
+        plain, medusa = (through_generate(model, args.max_new_tokens, speculative) for speculative in (False, True))
     else:
         batch1_tree = None
-        run_plain = lambda q: run_ours(model, plain_engine, q, args.max_new_tokens)  # noqa: E731
-        run_medusa = lambda q: run_ours(model, medusa_engine, q, args.max_new_tokens)  # noqa: E731
+        plain, medusa = (on_engine(engine, args.max_new_tokens) for engine in (plain_engine, medusa_engine))
     references = reference_turns(reference, questions, args.max_new_tokens) if reference is not None else None
     records, hf_taken = [], defaultdict(int)
     for index, q in enumerate(tqdm(questions, desc="spec-bench", dynamic_ncols=True)):
-        rec = {"category": q["category"], "plain": run_plain(q), "medusa": run_medusa(q)}
+        rec = {"category": q["category"], "plain": run_turns(model, q, plain), "medusa": run_turns(model, q, medusa)}
         if hf is not None and hf_taken[q["category"]] < args.hf_per_category:
             hf_taken[q["category"]] += 1
             rec["hf"] = run_hf(hf, model, q, args.max_new_tokens)

@@ -57,6 +57,7 @@ from medusa.decoding.sequence import FinishReason, Sequence
 from medusa.decoding.tree_policy import TreePolicy, unmeasured_prior
 from medusa.decoding.verifier import AcceptanceConfig, verify
 from medusa.heads import MedusaHeads
+from medusa.kernels.paged_attention import kernel_pages
 from medusa.model import DecoderModel
 from medusa.tree import MAX_NODES, TreeSpec
 
@@ -204,10 +205,9 @@ class LLMEngine:
                  tokenizer: Any = None, eos_token_ids: Seq[int] = ()) -> None:
         self.model, self.heads, self.config, self.tokenizer = model, heads, config, tokenizer
         self.device = model.embed_tokens.weight.device
-        bs = config.block_size
-        if self.device.type == "cuda" and (bs < 16 or bs & (bs - 1)):
+        if self.device.type == "cuda" and not kernel_pages(config.block_size):
             raise ValueError(f"block_size must be a power of two >= 16 on a GPU (the attention kernel walks whole "
-                             f"pages of those), got {bs}")
+                             f"pages of those), got {config.block_size}")
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         trees = [t if isinstance(t, TreeSpec) else TreeSpec.load(t) for t in config.trees] if heads is not None \
             else [TreeSpec.load("single")]

@@ -16,7 +16,7 @@ import torch
 from medusa.config import ModelConfig
 from medusa.kernels.dispatch import use_triton
 from medusa.kernels.kv_move import move_kv
-from medusa.kernels.paged_attention import paged_attention_reference, write_kv_reference
+from medusa.kernels.paged_attention import kernel_pages, paged_attention_reference, write_kv_reference
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,10 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.step: StepMetadata | None = None
-        # the Triton kernel walks pages of a power of two >= 16 slots; other sizes take the reference
-        self.use_triton = (device.type == "cuda" and _triton_available() and block_size >= 16
-                           and not block_size & (block_size - 1))
-        self._descriptors: dict[int, tuple] = {}  # layer -> TMA descriptors of its K/V pools (pages >= 64)
+        # other page sizes take the reference
+        self.use_triton = device.type == "cuda" and _triton_available() and kernel_pages(block_size)
+        # layer -> TMA descriptors of its K/V pools (pages >= 64 keys), None where TMA does not fit; decided once
+        self._descriptors: dict[int, tuple | None] = {}
 
     def forward(self, model, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
         """model(input_ids, positions) [T] over this cache with `step`'s slots and masks -> hidden [T, H]."""
@@ -89,8 +89,8 @@ class PagedKVCache:
         from medusa.kernels.paged_attention_triton import bulk_copies_fit, page_descriptors, paged_attention_triton
 
         s, k, v = self.step, self.k[layer], self.v[layer]
-        if layer not in self._descriptors and bulk_copies_fit(q, k, v, self.block_size):
-            self._descriptors[layer] = page_descriptors(k, v)  # built once: eager calls would pay each time
+        if layer not in self._descriptors:  # built once: eager calls would pay each time
+            self._descriptors[layer] = page_descriptors(k, v) if bulk_copies_fit(q, k, v, self.block_size) else None
         return paged_attention_triton(q, k, v, s.block_tables, s.kv_lens, s.query_start, s.causal, s.step_bits,
                                       self.block_size, s.max_query_len, max_kv_len=s.max_kv_len,
                                       descriptors=self._descriptors.get(layer))

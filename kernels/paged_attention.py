@@ -22,6 +22,12 @@ import torch
 import torch.nn.functional as F
 
 
+def kernel_pages(block_size: int) -> bool:
+    """Whether the Triton kernel can walk pages of `block_size` slots: a power of two >= 16 (a key chunk
+    holds whole pages, or a page whole chunks)."""
+    return block_size >= 16 and not block_size & (block_size - 1)
+
+
 def step_mask_from_bits(bits: torch.Tensor, q_len: int) -> torch.Tensor:
     """bits [q_len] int64 -> [q_len, q_len] bool."""
     j = torch.arange(q_len, device=bits.device)

@@ -21,6 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from medusa.kernels.fused_ops_triton import _rotate_q, _rotate_rows
+from medusa.kernels.paged_attention import kernel_pages
 from medusa.kernels.pdl import pdl_options, wait_for_previous
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
@@ -204,7 +205,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     launch: num_warps and/or num_stages instead of `_launch_config`'s, and optionally block_m / block_n
     (benchmarks/kernel_bench.py --launch-sweep) and tma (True / False instead of `bulk_copies_fit`'s answer).
     descriptors: `page_descriptors(k_cache, v_cache)`, kept by a caller that attends over the same caches
-    again and again (building them costs host time in every eager call); used where TMA loads are.
+    again and again (building them costs host time in every eager call) where `bulk_copies_fit` holds.
     """
     _check(q, k_cache, v_cache, block_tables, kv_lens, query_start, causal, step_bits, block_size)
     num_seqs = block_tables.shape[0]
@@ -232,7 +233,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if not scale > 0:
         raise ValueError(f"scale must be > 0 (the kernel scales each row's maximum), got {scale}")
     tma = launch.pop("tma", None)
-    tma = bulk_copies_fit(q, k_cache, v_cache, block_size, block_n) if tma is None else tma
+    if tma is None:  # a caller's descriptors say it has already asked
+        tma = descriptors is not None or bulk_copies_fit(q, k_cache, v_cache, block_size, block_n)
     if not tma:
         k_desc, v_desc = k_cache, v_cache  # unused
     elif descriptors is not None and list(descriptors[0].block_shape) == [block_n, head_dim]:
@@ -352,7 +354,7 @@ def _check(q, k_cache, v_cache, block_tables, kv_lens, query_start, causal, step
         raise ValueError(f"q and caches must share one of fp16/bf16/fp32, got {q.dtype} and {k_cache.dtype}")
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("the last dimension of q and the caches must be contiguous, caches alike")
-    if block_size < 16 or block_size & (block_size - 1):
+    if not kernel_pages(block_size):
         raise ValueError(f"block_size must be a power of two >= 16 for the kernel, got {block_size}")
     b = block_tables.shape[0]
     if kv_lens.shape != (b,) or query_start.shape != (b + 1,) or causal.shape != (b,):
