@@ -304,12 +304,15 @@ class DecodeStep:
     @torch.inference_mode()
     def time_step(self, tree: DeviceTree, padded: int, context: int, num_blocks: int, repeats: int = 5,
                   propose: bool = True) -> float:
-        """Median seconds of one captured step of `padded` rows at `context` cached tokens each.
+        """Median seconds of one step of `padded` rows at `context` cached tokens each: its captured
+        graphs where graphs run, else the two parts run eagerly (the host's dispatch is then part of
+        the step, as it is of every eager step). The first of the `repeats + 1` runs warms up.
 
         A synthetic batch: rows read real KV blocks (read only) but write only the
         scratch slot and the padding state row, so running sequences are untouched.
         """
-        graphs, times = self._graph(tree, padded, False, propose), []
+        graphs = self._graph(tree, padded, False, propose) if self.use_graphs else None
+        times = []
         n, width = tree.num_nodes, self.tables.shape[1]
         with self._padding_inputs():
             self.query_start[: padded + 1] = torch.arange(padded + 1, device=self.device) * n
@@ -317,14 +320,25 @@ class DecodeStep:
             for _ in range(repeats + 1):
                 # every padding row at `context` committed tokens (part 2 puts the padding row back at 0)
                 self.row_base[self.padding_row] = min(context, width * self.cache.block_size - n)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graphs["g1"].replay()
-                graphs["g2"].replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-        return sorted(times[1:])[repeats // 2]
+                times.append(self._replay_seconds(graphs) if graphs else self._eager_seconds(tree, padded, propose))
+        kept = times[1:] if repeats else times  # repeats=0: the one run, the caller having warmed it up
+        return sorted(kept)[len(kept) // 2]
+
+    def _replay_seconds(self, graphs: dict) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs["g1"].replay()
+        graphs["g2"].replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def _eager_seconds(self, tree: DeviceTree, padded: int, propose: bool) -> float:
+        start = time.perf_counter()
+        self._part2(tree, padded, self._part1(tree, padded, GREEDY), propose)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def forward(self, tree: DeviceTree, padded: int) -> _Part1:
         """Part 1; afterwards `best`/`next` hold the greedy verdict of every row."""

@@ -40,6 +40,7 @@ from typing import Any, Sequence as Seq
 import numpy as np
 import torch
 
+from medusa.decoding import eager_costs
 from medusa.decoding.batch_verify import sampled_targets
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
@@ -233,7 +234,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.totals = RequestStats()  # over the engine's life, for /metrics
         self.steps_per_tree: Counter[str] = Counter()  # decode steps per tree label, likewise
-        self.policy = TreePolicy()  # filled by warmup() on a GPU
+        self.policy = TreePolicy()  # filled by warmup()
         self.overlap = self.runner.decode.use_graphs if config.overlap is None else config.overlap
         self.mixed_prompt_tokens = config.mixed_prompt_tokens
         # cut carried prompt chunks to fill a token bucket: only where graphs pad them to one (eagerly a cut
@@ -307,7 +308,7 @@ class LLMEngine:
         tree policy (`tree_policy.py`) pick each batch size's tree: its prior comes from the
         heads' measured accuracies, or a cautious guess for heads that carry none. An engine
         with one tree (or no heads) has nothing to choose: its tree runs wherever the token
-        budget allows. A no-op on the CPU. Returns bucket -> chosen tree name.
+        budget allows. Returns bucket -> chosen tree name.
 
         max_batch: only the batch buckets up to this many sequences (`medusa generate` runs one
         request, so bucket 1; every bucket took 23 s for the default model on an H200); None: up to
@@ -317,19 +318,26 @@ class LLMEngine:
         sampling rows (temperature > 0, an OpenAI client's default), which are graphs of their own,
         and the temperature-only step of every other tree timed there (its trials run them): without
         them the first sampled requests capture them mid-run.
+
+        Without graphs (a CPU) nothing is captured and each batch size is its own bucket: warmup times
+        each tree at one row and plain steps at 1, 2, 4, ... rows eagerly, and the measured policy
+        starts from costs read off those (`eager_costs.py`; on two cores 3 s for the default model's
+        one-request bucket, 10 s for all 64).
         """
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (or None for every batch bucket), got {max_batch}")
         step = self.runner.decode
-        if not step.use_graphs:
-            return {}
-        self.runner.prefill.capture_all()
         most = self.config.scheduler.max_num_seqs if max_batch is None else min(max_batch,
                                                                                  self.config.scheduler.max_num_seqs)
         buckets = sorted({step.bucket(b) for b in range(1, most + 1)})
         accuracies = None
         if self.heads is not None:
             accuracies = self.heads.config.accuracies or unmeasured_prior(self.heads.config.num_heads)
+        if not step.use_graphs:
+            if not accuracies or len(self.scheduler.trees) == 1:
+                return {}  # nothing to capture, nothing to choose: the token budget's tree runs
+            return self._estimate_costs(buckets, accuracies, context)
+        self.runner.prefill.capture_all()
         if not accuracies or len(self.scheduler.trees) == 1:
             # nothing to choose (plain decoding, or one tree: `spec_bench.py --pin-tree`): the token budget's
             # tree, captured where it stays under max_graph_tokens (other buckets capture at first use)
@@ -352,6 +360,22 @@ class LLMEngine:
         self._capture_mixed(timed, first_trees, sampling)
         if sampling:
             self._capture_sampled_trials(timed, first_trees)
+        return {b: self.policy.choose(b).label for b in buckets}
+
+    def _estimate_costs(self, buckets: list[int], accuracies, context: int) -> dict[int, str]:
+        """warmup() without graphs: the policy's step costs for every bucket from a few eager steps."""
+        step = self.runner.decode
+        trees = [tree for tree in self.scheduler.trees if self.policy.add_prior(tree, accuracies)]
+        timed = lambda tree, rows, propose: step.time_step(  # noqa: E731
+            self._device_tree(tree), rows, context, self.config.num_blocks, repeats=0, propose=propose)
+        costs = eager_costs.measure(timed, trees, TreeSpec.load("single"), max(buckets))
+        for bucket in buckets:
+            for tree in trees:
+                if self._fits_warmup(bucket, tree):
+                    self.policy.add_cost(bucket, tree, costs.step(bucket, tree))
+            self.policy.add_heads_cost(bucket, costs.heads_at(bucket))
+        self.scheduler.policy = lambda num_decoding: self.policy.choose(num_decoding) \
+            if num_decoding in self.policy.step_cost else None
         return {b: self.policy.choose(b).label for b in buckets}
 
     def _capture_sampled_trials(self, buckets: list[int], captured) -> None:

@@ -42,9 +42,9 @@ between them a coin toss per lease (the 16-token one made 3% more tokens a ms en
 from one pooled host time, trees differ by what warmup timed side by side. The plain step keeps its
 own wall time: it is the only tree of its kind.
 
-Each batch size tries its best tree, every other tree whose score is within
-TRIAL_BAND of it, and the plain step for a few steps each, then runs the one
-with the most tokens per second. Near the best, priors cannot rank trees: on an
+Each batch size tries its best tree, every speculative tree whose score is within
+TRIAL_BAND of the best (of plain decoding's, where that scores best), and the plain
+step for a few steps each, then runs the one with the most tokens per second. Near the best, priors cannot rank trees: on an
 H200 at one request, trying the best alone settled on a 32-node tree at 2.60
 tokens per step, where an earlier policy had run the 64-node one at 2.68.
 Speculation must beat plain decoding by MARGIN, for what the step times cannot
@@ -300,7 +300,7 @@ class TreePolicy:
 
     def may_speculate(self, bucket: int) -> bool:
         """Whether the step after a plain one at this batch size may speculate (so its rows, new
-        ones included, need the heads' proposals). True where no measured policy runs (the CPU);
+        ones included, need the heads' proposals). True where no measured policy runs (no warmup);
         False where the batch size has only the plain step, borrows plain decoding, or has settled
         on it with no revisit due."""
         if bucket not in self.step_cost:
@@ -385,9 +385,11 @@ class TreePolicy:
         return max(self.step_cost[bucket], key=lambda tree: self.score(bucket, tree))
 
     def _untried_near_best(self, bucket: int, best: TreeSpec) -> list[TreeSpec]:
-        """Untried speculative trees scoring within TRIAL_BAND of `best` (a speculative best), best first."""
-        if best.num_nodes == 1:
-            return []
+        """Untried speculative trees scoring within TRIAL_BAND of `best`, best first. Near a speculative best
+        the priors cannot rank trees; near a plain one they cannot say whether speculation pays: on a CPU,
+        where a tree costs about what it returns, the same warmup's timings put plain decoding first in one
+        run of four and a tree first in the next (`eager_costs.py`), and a prompt-lookup chain's tokens
+        count in a tree's prior only once it has run."""
         floor = self.score(bucket, best) / TRIAL_BAND
         near = [tree for tree in self.step_cost[bucket] if tree.num_nodes > 1 and not self._tried(bucket, tree)
                 and self.score(bucket, tree) >= floor]

@@ -212,11 +212,16 @@ class MedusaModel:
                                 tokens_per_second=len(last.token_ids) / max(seconds, 1e-9))
 
     def engine(self, speculative: bool = True) -> LLMEngine:
-        """The continuous-batching engine over this model (built once per mode)."""
+        """The continuous-batching engine over this model (built once per mode). On a CPU a Medusa engine
+        is warmed up here (its trees timed: a few seconds, `eager_costs.py`); on a GPU `warmup()` is the
+        caller's (graph captures take 20-30 s)."""
         key = speculative and self.heads is not None
         if key not in self._engines:
-            self._engines[key] = LLMEngine(self.base, self.heads if key else None, self.engine_config(),
-                                           self.tokenizer, sorted(self.eos_token_ids))
+            engine = LLMEngine(self.base, self.heads if key else None, self.engine_config(), self.tokenizer,
+                               sorted(self.eos_token_ids))
+            if key and not self.base.embed_tokens.weight.is_cuda:
+                engine.warmup()
+            self._engines[key] = engine
         return self._engines[key]
 
     def searched_sizes(self) -> tuple[int, ...]:

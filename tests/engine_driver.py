@@ -57,3 +57,12 @@ def force_overlap(request, monkeypatch):
 
     monkeypatch.setattr(LLMEngine, "__init__", forced)
     return request.param
+
+
+def without_policy(engine):
+    """The engine as before any warmup: each step runs the largest tree the token budget allows, whatever a
+    CPU's eager timings chose (`eager_costs.py`). For tests that must see trees verified."""
+    from medusa.decoding.tree_policy import TreePolicy
+
+    engine.policy, engine.scheduler.policy = TreePolicy(), None
+    return engine

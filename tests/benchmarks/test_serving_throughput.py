@@ -46,7 +46,8 @@ def test_throughput_quick(tmp_path):
         # nothing compiled (Triton's interpreter runs the kernels as Python)
         assert row["triton_compiles_runs"] == [0] * 3 and row["compile_s_runs"] == [0.0] * 3
         assert sum(row["decode_steps_per_tree"].values()) > 0 and 1 <= row["mean_decode_batch"] <= c
-        assert row["tree_decisions"] == {}  # no measured tree policy on the CPU
+        # the CPU's warmup times trees eagerly (`eager_costs.py`): the batch sizes that ran decide, plain none
+        assert all(1 <= int(b) <= c for b in row["tree_decisions"]) and (mode == "medusa" or not row["tree_decisions"])
     assert rows[("plain", 1)]["speedup"] == 1.0
     for (mode, c), row in rows.items():  # runs alternate between the modes: each over the plain run before it
         plain = rows[("plain", c)]["tok_s_runs"]

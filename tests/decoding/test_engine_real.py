@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine_driver import count_launches, run_staggered
+from engine_driver import count_launches, run_staggered, without_policy
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.medusa_model import MedusaModel
 from medusa.training.data import DATA_DIR
@@ -23,7 +23,7 @@ def test_32_staggered_requests_match_batch1_plain_greedy(default_model_dir):
     references = [model.generate(p, max_new_tokens=sp.max_tokens, stop=list(sp.stop), speculative=False)
                   for p, sp in zip(prompts, params)]
 
-    engine = model.engine()
+    engine = without_policy(model.engine())  # trees every step, whatever the CPU's timings chose
     done = run_staggered(engine, prompts, params, per_step=4)
     check(done, references)
     assert sum(d.stats.accepted_tokens for d in done.values()) > 0

@@ -322,6 +322,27 @@ def test_trees_scoring_near_the_best_are_tried_before_a_batch_size_decides():
 
 
 
+def test_trees_scoring_near_plain_decoding_are_tried_before_a_batch_size_settles_on_it():
+    """Where plain decoding scores best by a little (a CPU's trees cost about what they return), priors
+    cannot say whether speculation pays: the trees within TRIAL_BAND of plain decoding run their trials,
+    and here the 4-node tree, whose lookup-free prior undersells it, wins. A tree far below is not tried."""
+    from medusa.decoding.tree_policy import TRIAL_BAND
+
+    engine, trees = engine_with_costs({1: {1: 1.0, 4: 2.0, 64: 4.0}}, {1: 1.0, 4: 2.1, 64: 2.6})
+    policy = engine.policy
+    plain_score = policy.score(1, trees[1])
+    assert plain_score / TRIAL_BAND <= policy.score(1, trees[4]) < plain_score
+    assert policy.score(1, trees[64]) < plain_score / TRIAL_BAND
+    ran = []
+    for _ in range(4 * TRIAL_STEPS):
+        tree = engine.scheduler.tree_for(1)
+        ran.append(tree.num_nodes)
+        policy.observe(tree, {1: 1.0, 4: 2.6, 64: 2.6}[tree.num_nodes] * 100, 100)
+        policy.observe_step(1, tree, {1: 1.0, 4: 2.0, 64: 4.0}[tree.num_nodes])
+    assert ran[: 2 * TRIAL_STEPS] == [1] * TRIAL_STEPS + [4] * TRIAL_STEPS
+    assert 64 not in ran and policy.decision[1] is trees[4] and set(ran[2 * TRIAL_STEPS:]) == {4}
+
+
 def test_a_batch_size_is_settled_on_its_decision_not_on_its_trials_or_revisits():
     """What `LLMEngine._may_carry` asks before capturing a mixed graph for a step's tree."""
     engine, trees = engine_with_costs({8: {1: 1.0, 4: 1.05}, 16: {1: 1.0, 4: 1.05}}, {1: 1.0, 4: 1.3})

@@ -50,8 +50,10 @@ def real_server(real_model):
     """(base_url, app) serving the real model; a smaller KV pool than the default keeps memory low."""
     from medusa.decoding.engine import EngineConfig
     from medusa.decoding.server import build_app
+    from engine_driver import without_policy
 
     app = build_app(real_model, SERVED_NAME, engine_config=EngineConfig(num_blocks=256))
+    without_policy(app.state.server.engine(True).engine)  # trees every step: the tests count drafts, whatever the timings chose
     with running_server(app) as url:
         yield url, app
 
