@@ -363,7 +363,10 @@ class LLMEngine:
         return {b: self.policy.choose(b).label for b in buckets}
 
     def _estimate_costs(self, buckets: list[int], accuracies, context: int) -> dict[int, str]:
-        """warmup() without graphs: the policy's step costs for every bucket from a few eager steps."""
+        """warmup() without graphs: the policy's step costs for every bucket from a few eager steps (once:
+        `MedusaModel.engine()` warms a CPU engine up, and a caller's warmup() must not time it again)."""
+        if all(b in self.policy.step_cost for b in buckets):
+            return {b: self.policy.choose(b).label for b in buckets}
         step = self.runner.decode
         trees = [tree for tree in self.scheduler.trees if self.policy.add_prior(tree, accuracies)]
         timed = lambda tree, rows, propose: step.time_step(  # noqa: E731

@@ -60,7 +60,7 @@ class ServerState:
             llm = LLMEngine(m.base, m.heads if key else None, config, m.tokenizer, sorted(m.eos_token_ids))
             # sampled steps' graphs too: an OpenAI request without a temperature samples at 1
             trees = llm.warmup(sampling=True)
-            log.info("engine (speculative=%s): tree per batch bucket %s", key, trees or "by token budget")
+            log.info("engine (speculative=%s): tree per batch size %s", key, bucket_runs(trees) or "by token budget")
             self.engines[key] = AsyncLLMEngine(llm)
         return self.engines[key]
 
@@ -110,6 +110,18 @@ class ServerState:
             await asyncio.sleep(0.02)
         for engine in self.engines.values():
             await engine.shutdown()
+
+
+def bucket_runs(trees: dict[int, str]) -> str:
+    """{bucket: tree} as runs of buckets with one tree, e.g. "1: searched-12+lookup4, 2-64: single" (a CPU
+    engine has a bucket per batch size)."""
+    runs: list[list] = []  # [first, last, tree]
+    for bucket, tree in sorted(trees.items()):
+        if runs and runs[-1][2] == tree:
+            runs[-1][1] = bucket
+        else:
+            runs.append([bucket, bucket, tree])
+    return ", ".join(f"{a}: {t}" if a == b else f"{a}-{b}: {t}" for a, b, t in runs)
 
 
 def build_app(model: Any, served_name: str, api_key: str | None = None, max_waiting: int = 256,

@@ -78,6 +78,11 @@ def test_a_cpu_engines_warmup_times_trees_eagerly_and_starts_the_measured_policy
     assert engine.scheduler.policy(1) is policy.choose(1)
     assert set(engine.warmup(max_batch=1)) == {1}
 
+    def no_more(*args, **kwargs):
+        raise AssertionError("timed again")
+    engine.runner.decode.time_step = no_more  # a second warmup over timed buckets times nothing
+    assert engine.warmup() == chosen
+
 
 @pytest.mark.parametrize("tree_cost, speculates", [(1.0, False), (0.001, True)])
 def test_a_cpu_engines_choice_follows_its_eager_timings(tiny, monkeypatch, tree_cost, speculates):

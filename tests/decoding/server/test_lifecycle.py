@@ -122,3 +122,12 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_the_start_log_names_each_run_of_batch_sizes_with_one_tree():
+    """A CPU engine has a bucket per batch size: 64 of them would flood the log line."""
+    from medusa.decoding.server.app import bucket_runs
+
+    chosen = {1: "searched-12+lookup4", 2: "searched-4+lookup4", **{b: "single" for b in range(3, 65)}}
+    assert bucket_runs(chosen) == "1: searched-12+lookup4, 2: searched-4+lookup4, 3-64: single"
+    assert bucket_runs({8: "a", 1: "a", 2: "b"}) == "1: a, 2: b, 8: a" and bucket_runs({}) == ""
