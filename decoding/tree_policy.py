@@ -44,9 +44,10 @@ own wall time: it is the only tree of its kind.
 
 Each batch size tries its best tree, every speculative tree whose score is within
 TRIAL_BAND of the best (of plain decoding's, where that scores best), and the plain
-step for a few steps each, then runs the one with the most tokens per second. Near the best, priors cannot rank trees: on an
-H200 at one request, trying the best alone settled on a 32-node tree at 2.60
-tokens per step, where an earlier policy had run the 64-node one at 2.68.
+step for a few steps each, then runs the one with the most tokens per second.
+Near the best, priors cannot rank trees: on an H200 at one request, trying the
+best alone settled on a 32-node tree at 2.60 tokens per step, where an earlier
+policy had run the 64-node one at 2.68.
 Speculation must beat plain decoding by MARGIN, for what the step times cannot
 see (requests that finish at scattered steps leave their rows empty for a step
 or two and are admitted a few at a time, their prompts in steps that the timings
@@ -387,9 +388,9 @@ class TreePolicy:
     def _untried_near_best(self, bucket: int, best: TreeSpec) -> list[TreeSpec]:
         """Untried speculative trees scoring within TRIAL_BAND of `best`, best first. Near a speculative best
         the priors cannot rank trees; near a plain one they cannot say whether speculation pays: on a CPU,
-        where a tree costs about what it returns, the same warmup's timings put plain decoding first in one
-        run of four and a tree first in the next (`eager_costs.py`), and a prompt-lookup chain's tokens
-        count in a tree's prior only once it has run."""
+        where a tree costs about what it returns, four warmups of one model put plain decoding first twice and
+        a tree first twice (`eager_costs.py`), and a prompt-lookup chain's tokens count in a tree's prior
+        only once it has run."""
         floor = self.score(bucket, best) / TRIAL_BAND
         near = [tree for tree in self.step_cost[bucket] if tree.num_nodes > 1 and not self._tried(bucket, tree)
                 and self.score(bucket, tree) >= floor]

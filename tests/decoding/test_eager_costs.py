@@ -1,4 +1,4 @@
-"""Without CUDA graphs (a CPU) warmup times a few eager steps and the measured policy starts from costs read off them."""
+"""Without CUDA graphs (a CPU) warmup times a few eager steps; the measured policy starts from costs read off them."""
 
 import pytest
 
