@@ -19,7 +19,8 @@ Layout (flat, varlen, as the engine builds it each step):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from medusa.attention import attend
 
 
 def kernel_pages(block_size: int) -> bool:
@@ -58,10 +59,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                else step_mask_from_bits(step_bits[s:e], q_len))
         prefix = torch.ones(q_len, kv_len - q_len, dtype=torch.bool, device=q.device)
         mask = torch.cat([prefix, own], dim=1)  # [q_len, kv_len]
-        attn = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-            scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        out[s:e] = attn.transpose(0, 1)
+        out[s:e] = attend(q[s:e], k, v, mask, scale=scale)
     return out
 
 

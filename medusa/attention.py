@@ -21,18 +21,51 @@ class AttentionBackend(Protocol):
         ...
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+# On a CPU, SDPA's grouped-query path (`enable_gqa`) with a mask ran 1.1-2x slower than the same attention with
+# each KV head's query heads folded into the query length, for up to 128 queries (2 cores, torch 2.13, the default
+# model's 9/3 heads of 64; one token at 512 keys 264 against 151 us, 16 at 512 keys 1.46 against 0.70 ms; a
+# decode step of the engine at 2048 cached tokens 146 -> 95 ms), and faster from 256 queries on (prompt forwards:
+# 512 queries at 512 keys 25.2 against 32.8 ms). A causal mask keeps SDPA's own path (its flash kernel).
+CPU_FOLD_MAX_QUERIES = 128
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+           causal: bool = False, scale: float | None = None) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads.
 
     q [..., T, Hq, D]; k, v [..., S, Hkv, D]; mask broadcastable to [..., Hq, T, S]
     (True = may attend). Returns [..., T, Hq, D].
     """
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if heads != kv_heads and q.device.type == "cpu" and not causal and q.shape[-3] <= CPU_FOLD_MAX_QUERIES:
+        return _attend_folded(q, k, v, mask, scale, heads // kv_heads)
     out = F.scaled_dot_product_attention(
         q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3),
-        attn_mask=mask, is_causal=causal, enable_gqa=q.shape[-2] != k.shape[-2],
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=heads != kv_heads,
     )
     return out.transpose(-2, -3)
+
+
+def _attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float | None, group: int) -> torch.Tensor:
+    """`attend` on a CPU: each KV head's `group` query heads folded into the query length, q [..., Hkv, G*T, D]
+    against k/v [..., Hkv, S, D]."""
+    *lead, t, heads, d = q.shape
+    folded = q.transpose(-2, -3).reshape(*lead, heads // group, group * t, d)  # head kv*G + g -> rows g*T + t
+    if mask is not None:
+        mask = _fold_mask(mask, heads, group)
+    out = F.scaled_dot_product_attention(folded, k.transpose(-2, -3), v.transpose(-2, -3), attn_mask=mask,
+                                         scale=scale)
+    return out.reshape(*lead, heads, t, d).transpose(-2, -3)
+
+
+def _fold_mask(mask: torch.Tensor, heads: int, group: int) -> torch.Tensor:
+    """A mask broadcastable to [..., Hq, T, S] -> one for the folded queries [..., Hkv, G*T, S]: a mask per
+    query head is regrouped, one shared by the heads is repeated G times along the queries."""
+    t, s = mask.shape[-2:]
+    if mask.dim() >= 3 and mask.shape[-3] == heads:
+        return mask.reshape(*mask.shape[:-3], heads // group, group * t, s)
+    return mask.repeat(*([1] * (mask.dim() - 2)), group, 1)
 
 
 def sliding_window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int) -> torch.Tensor:
