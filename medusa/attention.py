@@ -21,12 +21,15 @@ class AttentionBackend(Protocol):
         ...
 
 
-# On a CPU, SDPA's grouped-query path (`enable_gqa`) with a mask ran 1.1-2x slower than the same attention with
-# each KV head's query heads folded into the query length, for up to 128 queries (2 cores, torch 2.13, the default
-# model's 9/3 heads of 64; one token at 512 keys 264 against 151 us, 16 at 512 keys 1.46 against 0.70 ms; a
-# decode step of the engine at 2048 cached tokens 146 -> 95 ms), and faster from 256 queries on (prompt forwards:
-# 512 queries at 512 keys 25.2 against 32.8 ms). A causal mask keeps SDPA's own path (its flash kernel).
-CPU_FOLD_MAX_QUERIES = 128
+# On a CPU, SDPA's grouped-query path (`enable_gqa`) with a mask is erratic and often slow where few queries meet
+# many keys; with each KV head's query heads folded into the query length it is steady. 2 cores, torch 2.13, the
+# default model's 9/3 heads of 64, per call, folded against SDPA's grouped path: one query at 512 keys 192-202 us
+# against 435-2090; 16 at 512 545-603 against 657-2775; 16 at 2048 1.4-1.7 against 3.5-8.3 ms; 48 at 2048 4.4
+# against 4.7 ms. But 64 queries lost (2.6 against 2.0 ms at 512 keys) and so did short contexts (16 at 128 keys
+# 279 against 243 us). Eagerly, a decode step of the engine at 2048 cached tokens took 146 -> 95 ms, the batch-1
+# decoder's 16-node tree 235 -> 152 ms. A causal call keeps SDPA's path (its flash kernel).
+CPU_FOLD_MAX_QUERIES = 48
+CPU_FOLD_MIN_KEYS = 384
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -37,7 +40,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     (True = may attend). Returns [..., T, Hq, D].
     """
     heads, kv_heads = q.shape[-2], k.shape[-2]
-    if heads != kv_heads and q.device.type == "cpu" and not causal and q.shape[-3] <= CPU_FOLD_MAX_QUERIES:
+    if heads != kv_heads and q.device.type == "cpu" and not causal and q.shape[-3] <= CPU_FOLD_MAX_QUERIES \
+            and k.shape[-3] >= CPU_FOLD_MIN_KEYS:
         return _attend_folded(q, k, v, mask, scale, heads // kv_heads)
     out = F.scaled_dot_product_attention(
         q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3),

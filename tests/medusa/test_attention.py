@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from medusa.attention import attend
+from medusa.attention import CPU_FOLD_MIN_KEYS, attend
 
 
 def grouped_reference(q, k, v, mask=None, causal=False):
@@ -30,7 +30,7 @@ def tree_mask(t, s, generator):
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "shared", "shared_with_head_axis", "per_head", "batched"])
 def test_folded_grouped_attention_equals_repeated_kv(heads, kv_heads, mask_kind):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads + len(mask_kind))
-    batch, t, s, d = 2, 5, 11, 16
+    batch, t, s, d = 2, 5, CPU_FOLD_MIN_KEYS + 3, 16  # enough keys for the folded path
     q = torch.randn(batch, t, heads, d, generator=g)
     k, v = torch.randn(2, batch, s, kv_heads, d, generator=g)
     mask, causal = None, mask_kind == "causal"
@@ -51,22 +51,24 @@ def test_folded_grouped_attention_equals_repeated_kv(heads, kv_heads, mask_kind)
 
 def test_a_scale_reaches_the_folded_attention():
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(4, 6, 8, generator=g), torch.randn(7, 2, 8, generator=g), torch.randn(7, 2, 8, generator=g)
+    s = CPU_FOLD_MIN_KEYS
+    q, k, v = torch.randn(4, 6, 8, generator=g), torch.randn(s, 2, 8, generator=g), torch.randn(s, 2, 8, generator=g)
     # scaling the queries by c is the same attention as scale c / sqrt(D)
     torch.testing.assert_close(attend(q, k, v, scale=0.5 / 8 ** 0.5), attend(q * 0.5, k, v))
 
 
-def test_a_cpu_folds_only_few_non_causal_queries(monkeypatch):
-    """Decoding and verification steps (up to CPU_FOLD_MAX_QUERIES queries) take the folded path; prompt
-    forwards and causal calls keep SDPA's grouped one, which is faster there."""
+def test_a_cpu_folds_only_few_non_causal_queries_over_many_keys(monkeypatch):
+    """Decoding and verification steps over a long context take the folded path; prompt forwards, short
+    contexts and causal calls keep SDPA's grouped one, which is as fast or faster there."""
     import medusa.attention as attention
 
     folded, fold = [], attention._attend_folded
     monkeypatch.setattr(attention, "_attend_folded", lambda q, *a: folded.append(q.shape[-3]) or fold(q, *a))
-    few, many = attention.CPU_FOLD_MAX_QUERIES, attention.CPU_FOLD_MAX_QUERIES + 1
-    for t, causal in [(1, False), (few, False), (many, False), (4, True)]:
-        q, kv = torch.randn(t, 6, 8), torch.randn(t + 3, 2, 8)
-        attend(q, kv, kv, mask=None if causal else torch.ones(t, t + 3, dtype=torch.bool), causal=causal)
+    few, keys = attention.CPU_FOLD_MAX_QUERIES, attention.CPU_FOLD_MIN_KEYS
+    for t, s, causal in [(1, keys, False), (few, keys + few, False), (few + 1, keys + few, False),
+                         (4, keys - 1, False), (4, keys, True)]:
+        q, kv = torch.randn(t, 6, 8), torch.randn(s, 2, 8)
+        attend(q, kv, kv, mask=None if causal else torch.ones(t, s, dtype=torch.bool), causal=causal)
     assert folded == [1, few]
-    attend(torch.randn(3, 4, 8), torch.randn(5, 4, 8), torch.randn(5, 4, 8))  # no grouping: nothing to fold
+    attend(torch.randn(3, 4, 8), torch.randn(keys, 4, 8), torch.randn(keys, 4, 8))  # no grouping: nothing to fold
     assert folded == [1, few]
