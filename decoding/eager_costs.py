@@ -11,9 +11,9 @@ and `EagerCosts.step` estimates the rest: a plain step of B rows read off that l
 its points, along its last segment past its end), and a tree at B rows as that plus B times what
 the tree adds to a plain step at one row. Rows, not tokens, are what a CPU's step grows with: each
 row reads its own context (default model, float32, 2 cores, 512 cached tokens: a plain step of 16 rows
-430 ms, one row of a 16-node tree 153 ms, a plain row 83 ms). B times the one-row increment errs
-toward plain decoding (B trees' extra tokens share their weight reads); these are only the measured
-policy's starting costs: once a tree runs at a batch size, its wall time there replaces them
+350-430 ms, one row of a 16-node tree 137-223 ms, a plain row 72-98 ms; RESULTS.md, session 29). B times
+the one-row increment errs toward plain decoding (B trees' extra tokens share their weight reads); these
+are only the measured policy's starting costs: once a tree runs at a batch size, its wall time there replaces them
 (`tree_policy.py`).
 
 Without this a CPU engine ran the largest tree its token budget allows at every step: at one

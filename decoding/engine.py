@@ -350,11 +350,7 @@ class LLMEngine:
             self._time_trees(bucket, [tree for tree in self.scheduler.trees
                                       if self._fits_warmup(bucket, tree) and self.policy.add_prior(tree, accuracies)],
                              context)
-        def measured(num_decoding: int) -> TreeSpec | None:  # None past max_batch: nothing was timed there
-            bucket = step.bucket(num_decoding)
-            return self.policy.choose(bucket) if bucket in self.policy.step_cost else None
-
-        self.scheduler.policy = measured
+        self.scheduler.policy = self._measured_tree
         timed = [b for b in buckets if b in self.policy.step_cost]  # the trees each will run first
         first_trees = lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]]))  # noqa: E731
         self._capture_mixed(timed, first_trees, sampling)
@@ -377,9 +373,14 @@ class LLMEngine:
                 if self._fits_warmup(bucket, tree):
                     self.policy.add_cost(bucket, tree, costs.step(bucket, tree))
             self.policy.add_heads_cost(bucket, costs.heads_at(bucket))
-        self.scheduler.policy = lambda num_decoding: self.policy.choose(num_decoding) \
-            if num_decoding in self.policy.step_cost else None
+        self.scheduler.policy = self._measured_tree
         return {b: self.policy.choose(b).label for b in buckets}
+
+    def _measured_tree(self, num_decoding: int) -> TreeSpec | None:
+        """The measured policy's tree for a step of `num_decoding` sequences (the scheduler's `policy` once warmup
+        has run); None past warmup's max_batch, where nothing was timed."""
+        bucket = self.runner.decode.bucket(num_decoding)
+        return self.policy.choose(bucket) if bucket in self.policy.step_cost else None
 
     def _capture_sampled_trials(self, buckets: list[int], captured) -> None:
         """The temperature-only step of every tree timed at each bucket but those `captured(bucket)` (with
