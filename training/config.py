@@ -57,8 +57,15 @@ class SourceSpec:
     path: str  # a path, or a file name looked up in ../shared/data when not found from the working directory
     max_prompts: int | None = None  # a seeded random subset of this many prompts; None: all of them
     samples_per_prompt: int | None = None  # sampled answers per train prompt; None: data.samples_per_prompt
+    # {our name: the file's column}, e.g. {question: query} or {instruction: task, input: context}; None: the
+    # first column named like a prompt kind (training/data.py, PROMPT_KINDS)
+    columns: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
+        if self.columns is not None:
+            from medusa.training.data import check_columns  # data imports the cache, which is heavier
+
+            check_columns(self.columns)
         if not isinstance(self.path, str) or not self.path.strip():
             raise ValueError(f"path must be a non-empty string, got {self.path!r}")
         if self.max_prompts is not None and self.max_prompts < 1:
@@ -129,7 +136,7 @@ def _parse_context_kinds(kinds: Any) -> tuple[str, ...]:
 
 
 def _parse_sources(sources: Any) -> list[SourceSpec]:
-    """Plain names and {path, max_prompts, samples_per_prompt} mappings -> SourceSpecs, errors naming the entry."""
+    """Plain names and {path, max_prompts, samples_per_prompt, columns} mappings -> SourceSpecs, errors naming the entry."""
     if not isinstance(sources, (list, tuple)):
         raise ValueError(f"data.sources must be a list of file names or mappings, got {sources!r}")
     specs = []

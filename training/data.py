@@ -135,28 +135,38 @@ def _read_table(path: Path) -> Any:
             datasets.enable_progress_bars()
 
 
+_ACCEPTED = f"accepted: {', '.join(PROMPT_KINDS)} (instruction may add {' / '.join(INSTRUCTION_EXTRAS)})"
+
+
+def check_columns(columns: Mapping[str, str]) -> str:
+    """The prompt kind a column mapping {our name: the file's column} names, or a ValueError saying what is
+    wrong with it (checked before any file is read: a recipe's `data.sources[i].columns` too)."""
+    if not isinstance(columns, Mapping) or not all(isinstance(c, str) and c.strip() for c in columns.values()):
+        raise ValueError(f"columns={columns!r} must map our names to the file's column names, "
+                         f"e.g. {{'question': 'query'}}; {_ACCEPTED}")
+    kinds = [k for k in columns if k in PROMPT_KINDS]
+    unknown = [k for k in columns if k not in PROMPT_KINDS and k not in INSTRUCTION_EXTRAS]
+    if unknown or len(kinds) != 1:
+        raise ValueError(f"columns={dict(columns)!r} must name exactly one prompt kind; {_ACCEPTED}")
+    if kinds[0] != "instruction" and any(k in columns for k in INSTRUCTION_EXTRAS):
+        raise ValueError(f"{'/'.join(INSTRUCTION_EXTRAS)} only go with 'instruction', not {kinds[0]!r}")
+    return kinds[0]
+
+
 def _resolve_columns(
     available: Sequence[str], columns: Mapping[str, str] | None, path: Path
 ) -> tuple[str, dict[str, str]]:
     """(prompt kind, {our name: file column}) for this file."""
-    accepted = f"accepted: {', '.join(PROMPT_KINDS)} (instruction may add {' / '.join(INSTRUCTION_EXTRAS)})"
     if columns is None:
         kind = next((k for k in PROMPT_KINDS if k in available), None)
         if kind is None:
-            raise ValueError(f"{path}: no prompt column; it has {sorted(available)}; {accepted}")
+            raise ValueError(f"{path}: no prompt column; it has {sorted(available)}; {_ACCEPTED}")
         mapping = {kind: kind}
     else:
-        mapping = dict(columns)
-        kinds = [k for k in mapping if k in PROMPT_KINDS]
-        unknown = [k for k in mapping if k not in PROMPT_KINDS and k not in INSTRUCTION_EXTRAS]
-        if unknown or len(kinds) != 1:
-            raise ValueError(f"columns={dict(columns)!r} must name exactly one prompt kind; {accepted}")
-        kind = kinds[0]
+        kind, mapping = check_columns(columns), dict(columns)
         missing = [c for c in mapping.values() if c not in available]
         if missing:
             raise ValueError(f"{path}: columns {missing} not in the file; it has {sorted(available)}")
-    if kind != "instruction" and any(k in mapping for k in INSTRUCTION_EXTRAS):
-        raise ValueError(f"{'/'.join(INSTRUCTION_EXTRAS)} only go with 'instruction', not {kind!r}")
     if kind == "instruction":  # extras not named explicitly fall back to their usual names
         for extra in INSTRUCTION_EXTRAS:
             if extra not in mapping and extra in available:

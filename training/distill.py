@@ -158,6 +158,8 @@ def distill_knobs(settings: DataSection) -> dict[str, Any]:
     tasks' (`context_knobs`): those change only the train split."""
     skip = ("cache_dir", "distill_batch_size", "context_tasks", "context_task_kinds")
     knobs = {k: v for k, v in asdict(settings).items() if k not in skip}
+    if knobs["sources"]:  # a source without a column mapping keeps the manifest it had before mappings existed
+        knobs["sources"] = [{k: v for k, v in s.items() if k != "columns" or v is not None} for s in knobs["sources"]]
     if settings.followup_fraction > 0:
         knobs["followups"] = list(FOLLOWUPS)
     if settings.self_prompts > 0:

@@ -68,7 +68,7 @@ def gather_prompts(data: DataSection, seed: int) -> PromptPool:
     conversations, samples, paths = [], [], []
     for spec in specs:
         path = resolve_source(spec.path)
-        found = cap_prompts(load_conversations(path, limit=data.limit), spec.max_prompts, seed, path.name)
+        found = cap_prompts(load_conversations(path, spec.columns, limit=data.limit), spec.max_prompts, seed, path.name)
         per_prompt = data.samples_per_prompt if spec.samples_per_prompt is None else spec.samples_per_prompt
         conversations += found
         samples += [per_prompt] * len(found)

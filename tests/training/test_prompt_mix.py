@@ -57,6 +57,10 @@ def test_old_plain_list_and_new_mapping_forms():
     ("data.self_prompt_max_tokens=0", "data.self_prompt_max_tokens"),
     ("data.samples_per_prompt=-2", "data.samples_per_prompt"),
     ("data.limit=-1", "data.limit"),
+    ("data.sources=[{path: b, columns: {questoin: query}}]", r"data.sources\[0\]: columns=.*exactly one prompt kind"),
+    ("data.sources=[{path: b, columns: {question: q, input: c}}]", r"data.sources\[0\]: input/instances only go"),
+    ("data.sources=[{path: b, columns: query}]", r"data.sources\[0\]: columns='query' must map"),
+    ("data.sources=[{path: b, columns: {question: ''}}]", r"data.sources\[0\]: columns=.*must map"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
@@ -104,6 +108,24 @@ def test_cap_is_reproducible_and_samples_are_per_source(tmp_path):
     assert [c[0]["content"] for c in alone.conversations[3:]] == capped
     uncapped = gather_prompts(DataSection(sources=[{"path": str(questions), "max_prompts": 100}]), seed=0)
     assert len(uncapped.conversations) == 40 and uncapped.samples == [1] * 40  # default samples_per_prompt
+
+
+def test_a_recipe_maps_a_file_s_own_column_names(tmp_path):
+    path = write_jsonl(tmp_path / "mine.jsonl", [{"query": f"Why {i}?", "note": "x"} for i in range(3)])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"data:\n  sources:\n    - path: {path}\n      columns: {{question: query}}\n")
+    data = load_config(recipe).data
+    assert data.sources == [SourceSpec(str(path), columns={"question": "query"})]
+    pool = gather_prompts(data, seed=0)
+    assert [c[0]["content"] for c in pool.conversations] == ["Why 0?", "Why 1?", "Why 2?"]
+    with pytest.raises(ValueError, match="mine.jsonl: no prompt column; it has .'note', 'query'."):
+        gather_prompts(DataSection(sources=[str(path)]), seed=0)  # without the mapping: the file is named
+    with pytest.raises(ValueError, match=r"columns \['quest'\] not in the file"):
+        gather_prompts(DataSection(sources=[{"path": str(path), "columns": {"question": "quest"}}]), seed=0)
+    # the mapping is part of the distillation cache's key; a source without one keeps its old key
+    plain = distill_knobs(DataSection(sources=[str(path)]))
+    assert plain["sources"] == [{"path": str(path), "max_prompts": None, "samples_per_prompt": None}]
+    assert distill_knobs(data) != plain
 
 
 def test_bare_names_resolve_in_the_shared_data_dir(tmp_path, monkeypatch):
