@@ -253,6 +253,11 @@ class LLMEngine:
 
     def _add(self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None, quiet: bool) -> str:
         params = _checked_params(params)
+        if not params.speculative and self.heads is not None:
+            # one tree is verified for every row of a step, so a row cannot opt out within this engine
+            raise ValueError("SamplingParams(speculative=False) on an engine with Medusa heads, which speculates "
+                             "for every request: send it to a plain engine over the same model instead "
+                             "(MedusaModel.engine(speculative=False), as `medusa serve` does)")
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         elif hasattr(prompt, "tolist"):  # a 1-D tensor / array of token ids

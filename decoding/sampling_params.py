@@ -25,7 +25,7 @@ class SamplingParams:
     # logits[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    speculative: bool = True
+    speculative: bool = True  # False: plain decoding, which only an engine without heads runs (it checks)
     # "delta": every output carries the text its new tokens add (streaming: the text is decoded every
     # step). "final": text only in the finished output, decoded once at the end; earlier outputs carry
     # token ids only. Per-step detokenizing costs about as much host time per token as the rest of a

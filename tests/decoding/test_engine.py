@@ -383,6 +383,17 @@ def test_warmup_rejects_a_batch_limit_below_one(tiny):
     assert set(engine.warmup(max_batch=1)) == {1}  # a CPU times its trees eagerly at bucket 1 only
 
 
+def test_a_request_that_asks_for_no_speculation_is_refused_by_a_speculating_engine(tiny):
+    model, heads = tiny
+    engine = make_engine(model, heads)
+    with pytest.raises(ValueError, match=r"speculative=False.*MedusaModel.engine\(speculative=False\)"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, speculative=False))
+    assert not engine.has_unfinished()  # nothing was queued
+    plain = make_engine(model, None)  # an engine without heads runs it, and ignores speculative=True
+    outs = plain.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=4, speculative=s) for s in (False, True)])
+    assert [o.token_ids for o in outs] == [batch1(model, [1, 2, 3], 4), batch1(model, [4, 5], 4)]
+
+
 def test_a_sampled_rows_head_proposals_are_drawn_with_the_noise_of_their_positions(tiny):
     """Coupled proposals: head k of a sampled row ranks its logits / T plus the Gumbel noise of output
     position (next root's target + k), so a head whose logits were the base's would propose exactly the
