@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from medusa.config import ModelConfig
-from medusa.decoding.decode_step import kv_len_bound
+from medusa.decoding.decode_step import bounds_tree_keys, kv_len_bound
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
 from medusa.kernels.paged_attention import paged_attention_reference
 from medusa.loading import empty_model
@@ -173,7 +173,7 @@ def step_curve(args, device, dtype) -> tuple[list[dict], list[dict]]:
         cache = PagedKVCache(config, pages, args.block_size, dtype, device)
         for tree in args.tree_sizes:
             meta = _step_metadata(batch, tree, args.step_context, args.table_keys, device, not args.no_kv_bound,
-                                  args.block_size)
+                                  args.block_size, bounds_tree_keys(config, tree))
             ids = torch.zeros(batch * tree, dtype=torch.long, device=device)
             pos = torch.full((batch * tree,), args.step_context, device=device)
 
@@ -225,12 +225,12 @@ def captured(fn):
 
 
 def _step_metadata(batch: int, tree: int, context: int, table_keys: int, device, kv_bound: bool = True,
-                   page: int = 16) -> StepMetadata:
+                   page: int = 16, bounds_trees: bool = False) -> StepMetadata:
     """A step of `tree` chain tokens per sequence after `context` cached ones; block tables as wide as
     table_keys (the engine's are as wide as the longest context it serves, which sets the split count),
     and with kv_bound the key bound the engine's decode step would run under."""
     per_seq = -(-max(context + 128, table_keys) // page)
-    bound = kv_len_bound(batch, tree, context + tree, per_seq * page, False) if kv_bound else None
+    bound = kv_len_bound(batch, tree, context + tree, per_seq * page, False, bounds_trees) if kv_bound else None
     tables = torch.arange(batch * per_seq, device=device, dtype=torch.int32).view(batch, per_seq)
     slots = (tables.long()[:, :1] * page + context + torch.arange(tree, device=device)).flatten()
     bits = torch.tensor([_chain_bits(i) for i in range(tree)], device=device).repeat(batch)

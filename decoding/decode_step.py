@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from medusa.config import ModelConfig
 from medusa.decoding.batch_verify import sampled_targets
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.device_tree import DeviceTree
@@ -43,6 +44,7 @@ from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.heads import MedusaHeads
 from medusa.kernels.gumbel_sample import gumbel_top_k
 from medusa.kernels.ngram_lookup import ngram_lookup
+from medusa.kernels.paged_attention import chunks_per_split, row_tile
 from medusa.kernels.top_k import top_k_indices
 from medusa.kernels.tree_accept import accept, verdict
 from medusa.kernels.tree_candidates import gather_candidates
@@ -85,16 +87,28 @@ class _Part1:
 # that bound (`StepMetadata.max_kv_len`): its attention splits each sequence's keys at most 16 ways instead of
 # the 32-64 that the tables' width calls for, most of them empty at such contexts. H200, session 19 (RESULTS.md):
 # the 135M plain step at 512 keys 0.472 ms against 0.512 with 64 splits, but 0.576 against 0.536 at 2048 keys,
-# hence a bound the host checks per step. Trees and larger batches already run at most 16 splits there.
+# hence a bound the host checks per step. Trees of 16-row tiles already run at most 16 splits there; trees of
+# 64-row tiles with heads of 128 (an 8B shape's 16+ nodes) get the bound too, and 2 splits under it where
+# filling the GPU picks 4 (`chunks_per_split`; session 30: the 8B's 64-node tree at 512 keys 15.1 -> 12.7 us
+# a layer's attention; a tree whose tiles fill less than a fifth of the GPU splits as it would unbounded).
 SHORT_KV_KEYS = 1024
 SHORT_KV_MAX_BATCH = 2
 
 
-def kv_len_bound(padded: int, num_nodes: int, longest: int, table_keys: int, with_prompts: bool) -> int | None:
+def bounds_tree_keys(config: ModelConfig, num_nodes: int) -> bool:
+    """Whether a tree step of `num_nodes` tokens runs under the short-context key bound as plain steps do:
+    where its attention's row tiles are ones whose split count the bound lowers (`chunks_per_split`)."""
+    tile = row_tile(num_nodes, config.num_heads // config.num_kv_heads)
+    return num_nodes > 1 and chunks_per_split(tile, config.head_dim) > 1
+
+
+def kv_len_bound(padded: int, num_nodes: int, longest: int, table_keys: int, with_prompts: bool,
+                 bounds_trees: bool = False) -> int | None:
     """The `max_kv_len` a decode step runs under: SHORT_KV_KEYS for a plain step (one node, no prompt
-    chunks) of at most SHORT_KV_MAX_BATCH rows whose longest sequence has at most that many keys after the
-    step, where the tables are wider; None (the tables' width) otherwise."""
-    short = num_nodes == 1 and padded <= SHORT_KV_MAX_BATCH and not with_prompts
+    chunks), or a tree step where `bounds_trees` (`bounds_tree_keys`), of at most SHORT_KV_MAX_BATCH rows
+    whose longest sequence has at most that many keys after the step, where the tables are wider; None
+    (the tables' width) otherwise."""
+    short = (num_nodes == 1 or bounds_trees) and padded <= SHORT_KV_MAX_BATCH and not with_prompts
     return SHORT_KV_KEYS if short and longest <= SHORT_KV_KEYS < table_keys else None
 
 
@@ -244,7 +258,8 @@ class DecodeStep:
         longest = 0
         if padded <= SHORT_KV_MAX_BATCH:
             longest = max(s.num_computed_tokens + s.num_inflight_tokens for s in seqs) + n
-        self.kv_bound = kv_len_bound(padded, n, longest, self._table_keys, prompts is not None)
+        self.kv_bound = kv_len_bound(padded, n, longest, self._table_keys, prompts is not None,
+                                     bounds_tree_keys(self.model.config, n))
         tables = self._host_tables[:padded]
         # padding rows: block 0, whose first tree-size slots their queries read (real KV, finite: their
         # own tokens' KV goes to the scratch slot) and whose results nothing uses
@@ -461,7 +476,8 @@ class DecodeStep:
             self._graphs[key] = self._capture(tree, padded, sampling, key[3], prompts, kv_bound=kv_bound)
             self._shapes.add((padded, tree.spec, key[-1]))
             self.capture_seconds += time.perf_counter() - start
-            short = kv_len_bound(padded, tree.num_nodes, 0, self._table_keys, prompts is not None)
+            short = kv_len_bound(padded, tree.num_nodes, 0, self._table_keys, prompts is not None,
+                                 bounds_tree_keys(self.model.config, tree.num_nodes))
             if kv_bound is None and short is not None:
                 self._graph(tree, padded, sampling, propose, prompts, short)
         return self._graphs[key]

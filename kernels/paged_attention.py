@@ -29,6 +29,26 @@ def kernel_pages(block_size: int) -> bool:
     return block_size >= 16 and not block_size & (block_size - 1)
 
 
+def row_tile(max_query_len: int, group: int) -> int:
+    """Rows of the Triton kernel's query tiles: 64 where a sequence's step tokens x query heads per KV
+    head fill them (trees of 16+ nodes on 4-way grouped heads, prompt chunks), else 16 (a token per sequence)."""
+    return 64 if max_query_len * group >= 64 else 16
+
+
+def chunks_per_split(block_m: int, head_dim: int, fills_a_fifth: bool = True) -> int:
+    """Key chunks (64 keys) a split walks at least where the host bounds a step's keys (`max_kv_len`):
+    eight for 64-row tiles of heads of 128 whose programs before splitting already fill a fifth of the
+    GPU (`fills_a_fifth`: their partial accumulators, [64, 128] floats a split, then cost more than the
+    parallelism gains); one otherwise.
+
+    Measured on an H200 (RESULTS.md, session 30: per call in a CUDA graph, tables 4096 keys wider): a
+    64-node tree of the 8B shape at one sequence (32 programs) at 512 keys took 12.7 us with 2 splits,
+    15.1 with 4 (what filling the GPU picks), 14.4 with 1; at 1024 keys 16.2 with 2, 17.2 with 4. A
+    16-node tree there (8 programs) is fastest with 8-16 splits (9.5-9.9 us; 11.3 with 2).
+    """
+    return 8 if block_m >= 64 and head_dim >= 128 and fills_a_fifth else 1
+
+
 def step_mask_from_bits(bits: torch.Tensor, q_len: int) -> torch.Tensor:
     """bits [q_len] int64 -> [q_len, q_len] bool."""
     j = torch.arange(q_len, device=bits.device)

@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from medusa.kernels.fused_ops_triton import _rotate_q, _rotate_rows
-from medusa.kernels.paged_attention import kernel_pages
+from medusa.kernels.paged_attention import chunks_per_split, kernel_pages, row_tile
 from medusa.kernels.pdl import pdl_options, wait_for_previous
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
@@ -213,7 +213,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     launch = dict(launch or {})
-    block_m = launch.pop("block_m", 64 if max_query_len * group >= 64 else 16)
+    block_m = launch.pop("block_m", row_tile(max_query_len, group))
     block_n = launch.pop("block_n", 64)
     tiles = triton.cdiv(max_query_len * group, block_m)
     if max_kv_len is not None and max_kv_len < 1:
@@ -297,11 +297,14 @@ def _launch_config(block_m: int, block_n: int, head_dim: int, elem_bytes: int, n
     (small batches), 2 stages win while each split walks a few chunks (8B shape, one token, 512
     keys: 5.9 against 6.6 us) and lose from about eight (8 sequences of one token, 4096 keys: 44.4
     against 40.0 us); a graph captured for any context cannot know the walk, and short contexts
-    are the common case. fp32 or D=256 chunks get fewer stages, to stay well under the ~227 KiB of
-    shared memory an SM offers.
+    are the common case. 64-row tiles of heads of 128 keep 3 stages up to 4 splits (session 30, 8B
+    shape, 4 splits: a 64-node tree at 4096 keys 30.3 -> 27.9 us, 4 sequences of 16 tokens 43.2 -> 33.8;
+    at 512 keys 15.1 -> 15.7, where one sequence runs under a key bound and 2 splits; with 16 splits, a
+    16-node tree at one sequence, 2 stages stay faster: 9.9 against 10.5 us at 512 keys). fp32 or D=256
+    chunks get fewer stages, to stay well under the ~227 KiB of shared memory an SM offers.
     """
     stage_bytes = 2 * block_n * head_dim * elem_bytes  # one K and one V chunk
-    deepest = 3 if num_splits <= 2 else 2
+    deepest = 3 if num_splits <= (4 if block_m >= 64 and head_dim >= 128 else 2) else 2
     return dict(num_warps=4, num_stages=max(1, min(deepest, (160 * 1024) // stage_bytes)))
 
 
@@ -318,7 +321,9 @@ def _pick_splits(programs: int, max_keys: int, block_n: int, block_m: int, q: to
                  max_kv_len: int | None = None) -> int:
     """Splits (a power of two, <= 64): the most that keep the programs within one wave of the GPU
     for tiles of 64 rows (trees, prompt chunks), two waves for 16-row tiles (a token per sequence),
-    and at most one per key chunk of a step whose keys the host bounds (`max_kv_len`).
+    and, for a step whose keys the host bounds (`max_kv_len`), at most one per `chunks_per_split` key
+    chunks of the bound (one chunk; eight for 64-row tiles of heads of 128 whose programs fill a fifth of
+    the GPU before splitting).
 
     Splits past a sequence's keys cost a program and the merge's reads, and max_keys is the
     block table's width (the longest context served), not this step's. Measured on an H200
@@ -335,7 +340,9 @@ def _pick_splits(programs: int, max_keys: int, block_n: int, block_m: int, q: to
     target = sms * (2 if block_m <= 16 else 1)
     most = max(1, min(64, max_keys // (2 * block_n)))  # at least two key chunks per split
     if max_kv_len is not None:
-        most = max(1, min(most, triton.cdiv(max_kv_len, block_n)))
+        chunks = triton.cdiv(max_kv_len, block_n)
+        least = chunks_per_split(block_m, q.shape[-1], fills_a_fifth=programs * 5 >= target)
+        most = max(1, min(most, triton.cdiv(chunks, least)))
     splits = 1
     while splits * 2 <= most and programs * splits * 2 <= target:
         splits *= 2

@@ -268,3 +268,55 @@ def test_a_gpu_engine_names_a_block_size_its_kernels_cannot_page(default_model_d
     model = MedusaModel.from_pretrained(device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="block_size must be a power of two >= 16 on a GPU.*got 24"):
         LLMEngine(model.base, model.heads, replace(model.engine_config(), block_size=24), model.tokenizer)
+
+
+def test_trees_of_wide_heads_replay_bounded_graphs_and_keep_plain_greedy():
+    """A model whose 16+ node trees run 64-row tiles of heads of 128 (an 8B shape's attention, two layers):
+    warmup captures those trees' graphs of one or two rows under the short-context key bound too
+    (`bounds_tree_keys`: 2 attention splits where filling the GPU picks 4), their steps replay them, and
+    greedy outputs stay plain greedy's."""
+    from engine_driver import without_policy
+    from medusa.config import ModelConfig
+    from medusa.decoding.decode_step import SHORT_KV_KEYS, SHORT_KV_MAX_BATCH, bounds_tree_keys
+    from medusa.decoding.engine import EngineConfig
+    from medusa.decoding.generator import TreeDecoder
+    from medusa.decoding.sampler import SamplingConfig
+    from medusa.heads import HeadsConfig, MedusaHeads
+    from medusa.model import DecoderModel
+    from medusa.tree import TreeSpec
+
+    torch.manual_seed(0)
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=2,
+                         num_heads=8, num_kv_heads=2, head_dim=128, max_position_embeddings=2048)
+    model = DecoderModel(config).to("cuda").eval()
+    heads = MedusaHeads(HeadsConfig(hidden_size=256, vocab_size=64, num_heads=4)).to("cuda").eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    assert bounds_tree_keys(config, 16) and not bounds_tree_keys(config, 8)
+    engine = LLMEngine(model, heads, EngineConfig(trees=("single", "tree-8", "tree-16", "tree-64"), num_blocks=256))
+    engine.warmup(max_batch=SHORT_KV_MAX_BATCH)
+    step = engine.runner.decode
+    bounded = {(key[0], key[1].num_nodes) for key in step._graphs if key[4] == SHORT_KV_KEYS}
+    assert {(1, 1), (1, 16), (1, 64), (2, 16)} <= bounded and (1, 8) not in bounded
+    bounds, prepare = [], step.prepare
+
+    def recording(seqs, rows, tree, *args, **kw):
+        padded = prepare(seqs, rows, tree, *args, **kw)
+        bounds.append((tree.spec.num_nodes, step.kv_bound))
+        return padded
+
+    step.prepare = recording
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (40, 300)]
+    references = []
+    for p in prompts:
+        out = []
+        for chunk in TreeDecoder(model, None, TreeSpec.load("single")).decode(p, 24, SamplingConfig()):
+            out += chunk
+        references.append(out[:24])
+    without_policy(engine)  # the largest tree the token budget allows, every step
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == references
+    assert (64, SHORT_KV_KEYS) in bounds

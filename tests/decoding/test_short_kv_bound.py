@@ -3,7 +3,8 @@ attention's split count (`StepMetadata.max_kv_len`): the rule, and what the engi
 
 import torch
 
-from medusa.decoding.decode_step import SHORT_KV_KEYS, SHORT_KV_MAX_BATCH, kv_len_bound
+from medusa.config import ModelConfig
+from medusa.decoding.decode_step import SHORT_KV_KEYS, SHORT_KV_MAX_BATCH, bounds_tree_keys, kv_len_bound
 from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
 from engine_driver import single_thread
@@ -18,6 +19,21 @@ def test_the_bound_covers_short_plain_steps_of_few_sequences_only():
     assert kv_len_bound(1, 1, SHORT_KV_KEYS + 1, 8192, False) is None  # keys past the bound
     assert kv_len_bound(1, 1, 600, 8192, True) is None  # prompt chunks in the step
     assert kv_len_bound(1, 1, 600, SHORT_KV_KEYS, False) is None  # tables no wider than the bound
+    # trees whose attention takes 64-row tiles of heads of 128 (bounds_tree_keys) get the bound too
+    assert kv_len_bound(1, 16, 600, 8192, False, bounds_trees=True) == SHORT_KV_KEYS
+    assert kv_len_bound(SHORT_KV_MAX_BATCH + 1, 16, 600, 8192, False, bounds_trees=True) is None
+    assert kv_len_bound(1, 16, 600, 8192, True, bounds_trees=True) is None
+
+
+def test_trees_are_bounded_where_their_row_tiles_take_fewer_splits_under_a_bound():
+    """64-row tiles (nodes x query heads per KV head >= 64) of heads of 128: an 8B shape's 16+ node trees;
+    not its smaller ones, not heads of 64 (the 1B and 135M shapes), not plain steps (their own rule)."""
+    shape = lambda heads, kv, dim: ModelConfig(model_type="llama", vocab_size=32, hidden_size=heads * dim,  # noqa: E731
+                                               intermediate_size=64, num_layers=1, num_heads=heads,
+                                               num_kv_heads=kv, head_dim=dim)
+    llama_8b, llama_1b, smollm_135m = shape(32, 8, 128), shape(32, 8, 64), shape(9, 3, 64)
+    assert [bounds_tree_keys(llama_8b, n) for n in (1, 8, 16, 64)] == [False, False, True, True]
+    assert not any(bounds_tree_keys(c, n) for c in (llama_1b, smollm_135m) for n in (16, 64))
 
 
 def test_each_decode_step_runs_under_the_bound_its_sequences_allow():

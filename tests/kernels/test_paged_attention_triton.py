@@ -166,6 +166,13 @@ def test_a_key_bound_sets_the_split_count_but_never_drops_keys():
     assert _pick_splits(1, 8192, 64, 16, q, max_kv_len=100) == 2
     assert _pick_splits(1, 8192, 64, 16, q, max_kv_len=1) == 1
     assert _pick_splits(1, 512, 64, 16, q, max_kv_len=4096) == 4  # the tables' width still bounds it
+    # 64-row tiles of heads of 128 whose programs fill a fifth of the GPU: a bound leaves each split eight
+    # key chunks (its partials cost more than the parallelism gains)
+    wide = torch.zeros(1, 1, 128)
+    assert _pick_splits(2, 8192, 64, 64, wide) == 4  # 8 programs: one wave of the CPU's 8 stand-in SMs
+    assert [_pick_splits(2, 8192, 64, 64, wide, max_kv_len=n) for n in (64, 576, 1024, 4096)] == [1, 2, 2, 4]
+    assert _pick_splits(2, 8192, 64, 64, torch.zeros(1, 1, 64), max_kv_len=576) == 4  # heads of 64: one chunk
+    assert _pick_splits(1, 8192, 64, 64, wide, max_kv_len=576) == 8  # 1 program of 8 SMs: splitting pays
     kinds, prefix_max, hq, hkv, d, page, dtype = CASES[0]
     batch, max_q = random_batch(50, kinds, 300, hq, hkv, d, page, dtype)
     assert batch["kv_lens"].max() > 64
@@ -197,7 +204,10 @@ def test_pipeline_depth_keeps_two_chunks_in_flight_where_few_splits_walk_long():
     allows (H200, session 27)."""
     from medusa.kernels.paged_attention_triton import _launch_config
 
-    assert [_launch_config(64, 64, 128, 2, splits)["num_stages"] for splits in (1, 2, 4, 16)] == [3, 3, 2, 2]
+    assert [_launch_config(64, 64, 64, 2, splits)["num_stages"] for splits in (1, 2, 4, 16)] == [3, 3, 2, 2]
+    assert [_launch_config(16, 64, 128, 2, splits)["num_stages"] for splits in (1, 2, 4, 16)] == [3, 3, 2, 2]
+    # 64-row tiles of heads of 128 keep two chunks in flight up to 4 splits (session 30)
+    assert [_launch_config(64, 64, 128, 2, splits)["num_stages"] for splits in (1, 2, 4, 8, 16)] == [3, 3, 3, 2, 2]
     assert _launch_config(16, 64, 64, 2, 1)["num_stages"] == 3
     assert _launch_config(64, 64, 128, 4, 1)["num_stages"] == 2  # fp32: 64 KiB a stage
     assert _launch_config(64, 64, 256, 4, 1)["num_stages"] == 1  # fp32 D=256: 128 KiB a stage
