@@ -136,7 +136,8 @@ def _parse_context_kinds(kinds: Any) -> tuple[str, ...]:
 
 
 def _parse_sources(sources: Any) -> list[SourceSpec]:
-    """Plain names and {path, max_prompts, samples_per_prompt, columns} mappings -> SourceSpecs, errors naming the entry."""
+    """Plain names and {path, max_prompts, samples_per_prompt, columns} mappings -> SourceSpecs, errors
+    naming the entry."""
     if not isinstance(sources, (list, tuple)):
         raise ValueError(f"data.sources must be a list of file names or mappings, got {sources!r}")
     specs = []
