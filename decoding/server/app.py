@@ -17,6 +17,7 @@ import dataclasses
 import hmac
 import logging
 from contextlib import asynccontextmanager
+from itertools import groupby
 from typing import Any
 
 from fastapi import FastAPI
@@ -115,13 +116,12 @@ class ServerState:
 def bucket_runs(trees: dict[int, str]) -> str:
     """{bucket: tree} as runs of buckets with one tree, e.g. "1: searched-12+lookup4, 2-64: single" (a CPU
     engine has a bucket per batch size)."""
-    runs: list[list] = []  # [first, last, tree]
-    for bucket, tree in sorted(trees.items()):
-        if runs and runs[-1][2] == tree:
-            runs[-1][1] = bucket
-        else:
-            runs.append([bucket, bucket, tree])
-    return ", ".join(f"{a}: {t}" if a == b else f"{a}-{b}: {t}" for a, b, t in runs)
+    runs = []
+    for tree, run in groupby(sorted(trees.items()), key=lambda item: item[1]):
+        buckets = [bucket for bucket, _ in run]
+        span = str(buckets[0]) if len(buckets) == 1 else f"{buckets[0]}-{buckets[-1]}"
+        runs.append(f"{span}: {tree}")
+    return ", ".join(runs)
 
 
 def build_app(model: Any, served_name: str, api_key: str | None = None, max_waiting: int = 256,
