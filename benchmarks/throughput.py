@@ -8,6 +8,7 @@
     python benchmarks/throughput.py --models default --prompt-lookup 4 --out out/tp-pl4   # + a lookup chain
     python benchmarks/throughput.py --models default --temperature 0.7 --out out/tp-t07  # seeded sampled requests
     python benchmarks/throughput.py --models default --heads out/m2/heads --out out/tp-m2   # other heads (Medusa-2 too)
+    python benchmarks/throughput.py --models default --prompt-order file --out out/tp-file  # sessions 1-30's prompts
 
 For each model and concurrency C, a closed loop keeps C requests in flight on
 one engine (greedy) until 8 x C requests are served (a new one joins as soon as
@@ -19,7 +20,8 @@ steps, so with 3 rounds (sessions 2-5) a third of Medusa's steps ran part-empty
 rounds measure the steady state a server sees. Each level runs --repeats times on the
 same engine and the median run is reported; plain and Medusa runs alternate (both engines
 stay loaded), and `speedup_runs` gives each Medusa run over the plain run just before it. The default model runs Spec-Bench first turns with
-its shipped heads. The Llama-3.2-1B and Llama-3.1-8B shapes have random weights
+its shipped heads, taken spread over all 13 categories (`spread_order`; sessions 1-30 took them in file order,
+`--prompt-order file`, so one request served MT-bench writing only). The Llama-3.2-1B and Llama-3.1-8B shapes have random weights
 and random heads, which accept almost nothing: those rows measure what
 speculation *costs* (the adaptive tree must keep it near 1.0x), not what it
 gains. Writes results.json and, with matplotlib, throughput.png.
@@ -66,11 +68,27 @@ def random_model(shape: str, device, dtype):
     return model, medusa, None
 
 
-def default_model(device, dtype, heads: str | None):
+def spread_order(n: int) -> list[int]:
+    """0 .. n-1 in bit-reversed (van der Corput) order: every prefix of 2^k indices is evenly strided over
+    the whole range, and other prefixes nearly so.
+
+    Spec-Bench's file holds its 13 categories one after another (MT-bench's eight of 10 questions, then
+    five of 80), so a level's first requests taken in file order all come from its first categories: at one
+    request the 8 served were all MT-bench writing, which the heads predict worst. Spread, they sample the
+    480 questions as evenly as the all-480 Spec-Bench run weighs them.
+    """
+    bits = max(1, (n - 1).bit_length())
+    reversed_bits = (int(f"{i:0{bits}b}"[::-1], 2) for i in range(1 << bits))
+    return [i for i in reversed_bits if i < n]
+
+
+def default_model(device, dtype, heads: str | None, prompt_order: str = "spread"):
     from medusa.medusa_model import MedusaModel
 
     m = MedusaModel.from_pretrained(device=device, dtype=dtype, heads=heads)  # None: the shipped heads
     rows = [json.loads(line) for line in (DATA_DIR / "spec_bench.jsonl").read_text().splitlines()]
+    if prompt_order == "spread":
+        rows = [rows[i] for i in spread_order(len(rows))]
     prompts = [m.encode([{"role": "user", "content": r["turns"][0]}]) for r in rows]
     return m, prompts
 
@@ -187,7 +205,7 @@ def diagnose(row: dict, engine: LLMEngine, args, level: list[list[int]], params:
 
 def bench_model(name: str, args, device, dtype) -> list[dict]:
     if name == "default":
-        m, prompts = default_model(device, dtype, args.heads)
+        m, prompts = default_model(device, dtype, args.heads, args.prompt_order)
         base, heads, tokenizer, eos = m.base, m.heads, m.tokenizer, sorted(m.eos_token_ids)
         config = m.engine_config()
         params = SamplingParams(max_tokens=args.max_tokens, output_kind=args.output_kind,
@@ -295,6 +313,9 @@ def main() -> None:
     p.add_argument("--output-kind", default="delta", choices=("delta", "final"),
                    help="SamplingParams.output_kind: text every step (streaming, the default) or once at the end")
     p.add_argument("--heads", default=None, help="heads folder for the default model (default: the shipped heads)")
+    p.add_argument("--prompt-order", default="spread", choices=("spread", "file"),
+                   help="the default model's Spec-Bench first turns spread over the whole file, so that a level's "
+                        "requests sample every category (`spread_order`), or in file order (sessions 1-30)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature, each request seeded (default 0: greedy); warmup then "
                         "captures sampled steps too")
@@ -327,7 +348,8 @@ def main() -> None:
                                                    "repeats": args.repeats, "heads": args.heads, "output_kind": args.output_kind,
                                                    "overlap": not (args.no_overlap or args.profile_steps),
                                                    "mixed_prompt_tokens": args.mixed_prompt_tokens,
-                                                   "block_size": args.block_size, "rows": rows}, indent=2))
+                                                   "block_size": args.block_size, "prompt_order": args.prompt_order,
+                                                   "rows": rows}, indent=2))
     plot(rows, out / "throughput.png")
     for r in rows:
         pairs = "-".join(f"{x:.2f}" for x in (min(r["speedup_runs"]), max(r["speedup_runs"])))

@@ -109,3 +109,16 @@ def test_host_time_quick(default_model_dir, tmp_path):
         assert parts["start_decoding"] > 0  # requests were admitted
     detok = results["detokenizer_us_per_token"]
     assert set(detok) == {"stream", "window_rust", "window_transformers"} and min(detok.values()) > 0
+
+
+def test_spread_order_samples_the_whole_file_from_its_first_requests():
+    """Spec-Bench lists its categories one after another; a level's first requests must not all be the first's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput import spread_order
+
+    for n in (1, 2, 13, 480, 512):
+        assert sorted(spread_order(n)) == list(range(n))
+    order = spread_order(480)
+    assert order[:8] == [0, 256, 128, 384, 64, 320, 192, 448]  # one request a slot: 8 served, 60 apart
+    categories = [min(i // 10, 8) if i < 80 else 8 + (i - 80) // 80 for i in order]  # spec_bench.jsonl's layout
+    assert len(set(categories[:8])) >= 6 and len(set(categories[:64])) == 13
