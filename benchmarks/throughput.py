@@ -11,13 +11,15 @@
     python benchmarks/throughput.py --models default --prompt-order file --out out/tp-file  # sessions 1-30's prompts
 
 For each model and concurrency C, a closed loop keeps C requests in flight on
-one engine (greedy) until 8 x C requests are served (a new one joins as soon as
+one engine (greedy) until 8 x C requests, and at least 64, are served (a new one joins as soon as
 one finishes, as C busy clients would send them); output tokens/s is all their
 tokens over the wall time, prefill included. The last round drains the batch:
 plain decoding's equal-length requests finish together, Medusa's at scattered
 steps, so with 3 rounds (sessions 2-5) a third of Medusa's steps ran part-empty
 (`mean_decode_batch` 51.5 against plain's 63.5 for the 8B shape at C = 64); 8
-rounds measure the steady state a server sees. Each level runs --repeats times on the
+rounds measure the steady state a server sees. At one request the 8 requests of 8 x C were too few
+prompts (Spec-Bench's answers differ widely in how well the heads predict them): 1.40-2.02x run to run,
+against 1.84-1.95x with 64 (RESULTS.md, session 31). Each level runs --repeats times on the
 same engine and the median run is reported; plain and Medusa runs alternate (both engines
 stay loaded), and `speedup_runs` gives each Medusa run over the plain run just before it. The default model runs Spec-Bench first turns with
 its shipped heads, taken spread over all 13 categories (`spread_order`; sessions 1-30 took them in file order,
@@ -214,7 +216,8 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         base, heads, tokenizer = random_model(name, device, dtype)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, base.config.vocab_size, (int(n),), generator=g).tolist()
-                   for n in torch.randint(64, 256, (args.requests_per_slot * max(args.concurrency),), generator=g)]
+                   for n in torch.randint(64, 256, (max(args.requests_per_slot * max(args.concurrency),
+                                                        args.min_requests),), generator=g)]
         eos, config = [], EngineConfig()
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, output_kind=args.output_kind,
                                 temperature=args.temperature)
@@ -236,7 +239,8 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         engines[mode] = (engine, warmup)
     rows = []
     for c in args.concurrency:
-        level = [prompts[i % len(prompts)] for i in range(args.requests_per_slot * c)]  # Spec-Bench has 480
+        served = max(args.requests_per_slot * c, args.min_requests)
+        level = [prompts[i % len(prompts)] for i in range(served)]  # Spec-Bench has 480
         lengths = answer_lengths(len(level), args.max_tokens, args.length_spread)
         # sampled requests are seeded one by one: both modes draw the same uniforms for the same request
         level_params = [replace(params, max_tokens=n, seed=i if args.temperature > 0 else None)
@@ -295,6 +299,9 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16, choices=(16, 32, 64, 128),
                    help="tokens per KV block (EngineConfig.block_size); 64+ takes TMA loads on Hopper")
     p.add_argument("--requests-per-slot", type=int, default=8, help="requests served per concurrent slot")
+    p.add_argument("--min-requests", type=int, default=None,
+                   help="requests each level serves at least, so that low concurrencies sample enough prompts "
+                        "(default 64; 0 under --quick)")
     p.add_argument("--length-spread", type=float, default=0.0,
                    help="answer lengths uniform in max_tokens x [1 - F, 1 + F] (default 0: all max_tokens)")
     p.add_argument("--repeats", type=int, default=3, help="runs per level; the median one is reported")
@@ -336,6 +343,10 @@ def main() -> None:
     if args.quick:
         args.models, args.concurrency, args.max_tokens, args.num_blocks = "tiny", [1, 4], 8, 128
         args.requests_per_slot = 3
+    if args.min_requests is None:
+        args.min_requests = 0 if args.quick else 64
+    if args.min_requests < 0:
+        p.error(f"--min-requests must be >= 0, got {args.min_requests}")
     if args.prompt_lookup is None:
         args.prompt_lookup = default_prompt_lookup(device)
     out = Path(args.out)

@@ -86,17 +86,22 @@ def test_throughput_rejects_a_bad_length_spread(tmp_path):
 
 
 def test_throughput_quick_with_seeded_sampled_requests(tmp_path):
-    results = run("throughput.py", tmp_path, "--temperature", "0.7", "--repeats", "1", "--block-size", "32")
+    results = run("throughput.py", tmp_path, "--temperature", "0.7", "--repeats", "1", "--block-size", "32",
+                  "--min-requests", "5")
     assert results["temperature"] == 0.7 and results["block_size"] == 32
     rows = {(r["mode"], r["concurrency"]): r for r in results["rows"]}
     assert set(rows) == {(mode, c) for mode in ("plain", "medusa") for c in (1, 4)}
-    assert all(r["tok_s"] > 0 and r["tokens"] == 3 * r["concurrency"] * 8 for r in rows.values())
+    # 3 requests a slot, but at least 5: one request at a time serves 5, four 12
+    assert all(r["requests"] == max(3 * r["concurrency"], 5) for r in rows.values())
+    assert all(r["tok_s"] > 0 and r["tokens"] == r["requests"] * 8 for r in rows.values())
 
 
-def test_throughput_rejects_a_negative_temperature(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--out",
-                           str(tmp_path), "--temperature", "-1"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 2 and "--temperature must be >= 0, got -1.0" in done.stderr
+def test_throughput_rejects_a_negative_temperature_or_request_count(tmp_path):
+    for flag, value, message in (("--temperature", "-1", "--temperature must be >= 0, got -1.0"),
+                                 ("--min-requests", "-2", "--min-requests must be >= 0, got -2")):
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--out",
+                               str(tmp_path), flag, value], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 2 and message in done.stderr
 
 
 def test_host_time_quick(default_model_dir, tmp_path):
