@@ -13,17 +13,25 @@ import triton
 import triton.language as tl
 
 from medusa.kernels.pdl import pdl_options, wait_for_previous
+from medusa.kernels.skinny_matmul import SplitSums
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, size, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_split, size, eps,
+                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < size
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # no kernel writes it: read before waiting
     wait_for_previous(PDL)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if SPLITS:  # x as float32 partial sums over K slices [SPLITS, rows, size] (`SplitSums`): add them up
+        slices = tl.arange(0, SPLIT_BLOCK)
+        parts = tl.load(x_ptr + slices[:, None] * stride_split + row * stride_x + cols[None, :],
+                        mask=(slices < SPLITS)[:, None] & ok[None, :], other=0.0)  # [SPLIT_BLOCK, BLOCK]
+        x = tl.sum(parts, 0).to(out_ptr.dtype.element_ty)  # rounded once, as a whole-K product's epilogue rounds
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch rounds x + residual
@@ -34,24 +42,33 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     tl.store(out_ptr + row * size + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+def rms_norm_triton(x: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [..., H] (rows contiguous) -> (rms_norm(x [+ residual]), x + residual or None)."""
+    """x [..., H] (rows contiguous), or a product left as `SplitSums` -> (rms_norm(x [+ residual]),
+    x + residual or None)."""
     size = x.shape[-1]
-    if weight.shape != (size,) or weight.dtype != x.dtype or x.stride(-1) != 1:
+    parts = x.parts if isinstance(x, SplitSums) else None
+    if weight.shape != (size,) or weight.dtype != x.dtype or (parts is None and x.stride(-1) != 1):
         raise ValueError(f"rms_norm: weight must be [{size}] of {x.dtype} and x's last dim contiguous, got "
-                         f"{tuple(weight.shape)} {weight.dtype}, stride {x.stride()}")
+                         f"{tuple(weight.shape)} {weight.dtype}" + ("" if parts is not None else f", stride {x.stride()}"))
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
         raise ValueError(f"rms_norm: residual must match x {tuple(x.shape)} {x.dtype}, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
-    rows_x = x.reshape(-1, size)
+    if parts is not None and (parts.dtype != torch.float32 or not parts.is_contiguous()
+                              or parts.shape[1:] != (x.shape.numel() // size, size)):
+        raise ValueError(f"rms_norm: SplitSums parts must be contiguous float32 [S, rows, {size}], got "
+                         f"{tuple(parts.shape)} {parts.dtype}")
+    rows_x = x.reshape(-1, size) if parts is None else parts[0]
     rows_r = residual.reshape(-1, size) if residual is not None else rows_x
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=rows_x.device)
     res_out = torch.empty_like(out) if residual is not None else out
+    splits = 0 if parts is None else parts.shape[0]
     if rows_x.shape[0]:
-        _rms_norm_kernel[(rows_x.shape[0],)](rows_x, rows_r, weight, out, res_out, rows_x.stride(0),
-                                             rows_r.stride(0), size, eps, HAS_RESIDUAL=residual is not None,
-                                             BLOCK=triton.next_power_of_2(size), **pdl_options(x, rows_x.shape[0]))
+        _rms_norm_kernel[(rows_x.shape[0],)](
+            rows_x if parts is None else parts, rows_r, weight, out, res_out, rows_x.stride(0), rows_r.stride(0),
+            rows_x.numel(), size, eps, HAS_RESIDUAL=residual is not None, SPLITS=splits,
+            SPLIT_BLOCK=triton.next_power_of_2(max(splits, 1)), BLOCK=triton.next_power_of_2(size),
+            **pdl_options(out, rows_x.shape[0]))
     return out, (res_out if residual is not None else None)
 
 

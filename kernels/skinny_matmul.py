@@ -9,12 +9,14 @@ a few whole weight rows, load them before waiting on the previous kernel (PDL,
 `pdl.py`), and then multiply: one row on the CUDA cores (any K up to MAX_K), up
 to DOT_MAX_ROWS rows on the tensor cores (K up to DOT_MAX_K, so that a weight
 tile and a 16-row input tile stay within one program). Larger products keep
-cuBLAS, which is at its best there.
+cuBLAS, which is at its best there. A product whose consumer sums partials
+(o_proj and down_proj, read by the next norm) is cut along K instead (`SplitSums`).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,37 @@ DOT_MAX_K = 1536
 DOT_TILE_BYTES = 64 * 1024  # K padded to a power of two: bf16 up to K 2048, float32 up to 1024
 # MEDUSA_SKINNY=0 sends every product to cuBLAS (to time one against the other, or to bisect a difference)
 ENABLED = os.environ.get("MEDUSA_SKINNY", "1") != "0"
+# Products whose consumer sums partials (`SplitSums`: o_proj and down_proj, read by the next RMSNorm) are cut
+# along K into slices of SPLIT_K_BLOCK, one program per (32 weight rows, slice). A whole-K program streams
+# 32 x K weights through one SM, so the 135M's [576, 1536] down projection ran on 18 SMs: on an H200, per call
+# in a graph with PDL (RESULTS.md, session 31), 16 rows took 4.47 us whole and 1.64 us in 6 slices of 256
+# (o_proj, [576, 576]: 2.29 against 1.49). MEDUSA_SPLIT_K=0 keeps whole-K products (to time one against the other).
+SPLIT_K_BLOCK = 256
+SPLIT_K_ENABLED = os.environ.get("MEDUSA_SPLIT_K", "1") != "0"
+
+
+@dataclass(frozen=True)
+class SplitSums:
+    """A product `x @ W.T` left as float32 partial sums over slices of K, for a consumer that adds them up as it
+    loads its input (`rms_norm_triton`), so that cutting K costs no kernel of its own.
+
+    parts [S, rows, N] float32; shape: the product's [..., N]; dtype: the product's (x's) dtype.
+    """
+
+    parts: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def total(self) -> torch.Tensor:
+        """The product itself [..., N]: the slices summed in float32, rounded once to dtype."""
+        return self.parts.sum(0).to(self.dtype).view(self.shape)
+
+
+def splits_k(rows: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether a product of `rows` rows and K = k of `dtype` may be cut into K slices (`SplitSums`): the
+    tensor-core sizes (2..DOT_MAX_ROWS rows) of 2-byte types, K at least two slices."""
+    return (SPLIT_K_ENABLED and 1 < rows <= DOT_MAX_ROWS and k >= 2 * SPLIT_K_BLOCK
+            and dtype in (torch.float16, torch.bfloat16))
 # On a CPU, F.linear of a few rows by a large weight (x @ W.T) ran 1.1-3.9x slower than the same product
 # with the weight as the left operand (W @ x.T): 2 cores, MKL, float32, weights of 19-262 MB at 2-64 rows (the
 # default model's [49152, 576] lm_head: 2-4 rows 22-23 against 6-9 ms, 8-32 rows 1.1-1.6x, 64 rows about even,
@@ -85,10 +118,17 @@ def swaps_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.numel() * weight.element_size() >= CPU_SWAP_MIN_BYTES)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           split_sums: bool = False) -> torch.Tensor | SplitSums:
     """F.linear, through the skinny Triton kernels where `takes_skinny` says so, or with the operands
-    swapped on a CPU where `swaps_on_cpu` says so."""
+    swapped on a CPU where `swaps_on_cpu` says so. split_sums: the caller's consumer takes `SplitSums`, which
+    a product of several rows on the tensor cores then returns (`splits_k`)."""
     if takes_skinny(x, weight, bias):
+        rows = x.numel() // x.shape[-1]
+        if split_sums and splits_k(rows, x.shape[-1], x.dtype):
+            from medusa.kernels.skinny_matmul_triton import split_k_matmul_triton
+
+            return split_k_matmul_triton(x, weight, bias)
         from medusa.kernels.skinny_matmul_triton import skinny_matmul_triton
 
         return skinny_matmul_triton(x, weight, bias)

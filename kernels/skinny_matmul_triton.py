@@ -5,6 +5,9 @@ it loads them, and the bias, before waiting on the previous kernel (PDL), so the
 weight bytes are on their way while the norm or activation before it finishes.
 Then each of the ROWS input rows is multiplied into the tile and reduced along K
 in float32, rounded once to the output dtype (as cuBLAS's epilogue rounds).
+Several rows take the tensor cores: a whole-K product per 32 weight rows, or, for a
+consumer that sums partials (`SplitSums`), one product per (32 weight rows, slice
+of K), so that a narrow weight still spreads over many SMs.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import triton.language as tl
 
 from medusa.kernels.pdl import pdl_options, wait_for_previous
 from medusa.kernels.skinny_matmul import (DOT_MAX_K, DOT_MAX_ROWS, DOT_TILE_BYTES, KERNEL_MAX_ROWS, MAX_K,
-                                           fits_tensor_cores)
+                                           SPLIT_K_BLOCK, SplitSums, fits_tensor_cores, splits_k)
 
 TILE_BYTES = 16 * 1024  # a program's weight tile (H200: 8-32 KiB tiles ran within 3% of each other)
 # Weight rows per tensor-core program for 2-byte inputs. 16 rows give 4 warps only two 8-wide MMA tiles, so
@@ -72,6 +75,57 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_
         acc += bias[None, :]
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _split_k_dot_kernel(x_ptr, w_ptr, b_ptr, part_ptr, M, N, K, stride_xm,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    # Grid (N tiles, K slices): program (j, s) multiplies the rows by weight[j tile, s-th BLOCK_K slice] on the
+    # tensor cores and stores its float32 partial at parts[s]; the consumer sums the slices as it loads them.
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = tl.program_id(1)
+    k = s * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = n < N
+    k_ok = k < K
+    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0)  # [BLOCK_N, BLOCK_K], read before the previous kernel is done
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        bias = tl.where(s == 0, bias, 0.0)  # added once, by slice 0
+    wait_for_previous(PDL)
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    acc = tl.dot(x, tl.trans(w))  # [BLOCK_M, BLOCK_N] float32
+    if HAS_BIAS:
+        acc += bias[None, :]
+    tl.store(part_ptr + (s * M + m)[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def split_k_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> SplitSums:
+    """`x @ weight.T (+ bias)` as SPLIT_K_BLOCK-wide slices of K, each slice's float32 product stored apart:
+    -> SplitSums (parts [S, rows, N]). x [..., K] with 2..DOT_MAX_ROWS rows; weight [N, K] contiguous."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    rows = x.reshape(-1, k)
+    if not splits_k(rows.shape[0], k, x.dtype):
+        raise ValueError(f"split_k_matmul: 2..{DOT_MAX_ROWS} rows of fp16/bf16 with K >= {2 * SPLIT_K_BLOCK}, "
+                         f"got x {tuple(x.shape)} of {x.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous() or weight.dtype != x.dtype:
+        raise ValueError(f"split_k_matmul: weight must be a contiguous [N, {k}] of {x.dtype}, got "
+                         f"{tuple(weight.shape)} {weight.dtype} with strides {weight.stride()}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"split_k_matmul: bias must be [{n}] of {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    slices = triton.cdiv(k, SPLIT_K_BLOCK)
+    parts = torch.empty(slices, rows.shape[0], n, dtype=torch.float32, device=x.device)
+    _split_k_dot_kernel[(triton.cdiv(n, DOT_BLOCK_N), slices)](
+        rows, weight, bias if bias is not None else weight, parts, rows.shape[0], n, k, rows.stride(0),
+        BLOCK_M=16, BLOCK_N=DOT_BLOCK_N, BLOCK_K=SPLIT_K_BLOCK, HAS_BIAS=bias is not None, num_warps=4,
+        **pdl_options(x, rows.shape[0]))
+    return SplitSums(parts, x.shape[:-1] + (n,), x.dtype)
 
 
 def skinny_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 from medusa.kernels.dispatch import use_triton
 from medusa.kernels.fused_ops import add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference
 from medusa.kernels import skinny_matmul
+from medusa.kernels.skinny_matmul import SplitSums
 
 
 class RMSNorm(nn.Module):
@@ -28,20 +29,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | SplitSums) -> torch.Tensor:
         # statistics in float32, as the reference implementations do
+        if isinstance(x, SplitSums):
+            x = x.total()
         if use_triton(x, self.weight):
             from medusa.kernels.fused_ops_triton import rms_norm_triton
 
             return rms_norm_triton(x, self.weight, self.eps)[0]
         return rms_norm_reference(x, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (norm(x + residual), x + residual): the residual stream's add fused into the norm."""
-        if use_triton(x, residual, self.weight):
+    def add_and_norm(self, x: torch.Tensor | SplitSums, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + residual), x + residual): the residual stream's add fused into the norm. x may be a
+        product left as `SplitSums` (o_proj's, down_proj's), which the Triton kernel adds up as it loads it."""
+        if use_triton(residual, self.weight) and x.dtype == residual.dtype:
             from medusa.kernels.fused_ops_triton import rms_norm_triton
 
             return rms_norm_triton(x, self.weight, self.eps, residual)
+        if isinstance(x, SplitSums):
+            x = x.total()
         return add_rms_norm_reference(x, residual, self.weight, self.eps)
 
 
@@ -69,10 +75,18 @@ def norm_linear(norm: RMSNorm, linear: nn.Module, x: torch.Tensor,
 
 class Linear(nn.Linear):
     """nn.Linear whose product takes the skinny Triton kernel for a few rows on the GPU
-    (a batch-1 plain step; `kernels/skinny_matmul.py`), cuBLAS otherwise."""
+    (a batch-1 plain step; `kernels/skinny_matmul.py`), cuBLAS otherwise.
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_matmul.linear(x, self.weight, self.bias)
+    split_sums: the output only ever goes to an RMSNorm's residual add (o_proj, down_proj), which takes a
+    product left as `SplitSums`: then a tree step's few rows cut K into slices on the tensor cores.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, split_sums: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.split_sums = split_sums
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
+        return skinny_matmul.linear(x, self.weight, self.bias, self.split_sums)
 
 
 class FusedLinear(Linear):

@@ -28,12 +28,13 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, config.qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias, split_sums=True)  # to the next norm
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 attn: AttentionBackend) -> torch.Tensor:
         """qkv [..., T, (Hq + 2 Hkv) D]: qkv_proj's output, which the decoder layer computes
-        together with the input norm -> o_proj's output [..., T, H]."""
+        together with the input norm -> o_proj's output [..., T, H] (`SplitSums` where a tree step's few rows
+        cut its K into slices: the post-attention norm adds them up)."""
         lead = qkv.shape[:-1]  # [..., T]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -54,11 +55,11 @@ class MLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias=False)
-        self.down_proj = Linear(size, config.hidden_size, bias=False)
+        self.down_proj = Linear(size, config.hidden_size, bias=False, split_sums=True)  # to the next norm
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., T, 2I]: gate_up_proj's output, which the decoder layer computes together
-        with the post-attention norm -> down_proj(silu(gate) * up) [..., T, H]."""
+        with the post-attention norm -> down_proj(silu(gate) * up) [..., T, H] (or `SplitSums`, as o_proj's)."""
         return self.down_proj(silu_and_mul(gate_up))
 
 

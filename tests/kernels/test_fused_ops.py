@@ -32,6 +32,26 @@ def test_rms_norm_with_and_without_residual(seed, rows, size):
     assert close(got, want, torch.float32) and torch.equal(total, want_total)
 
 
+@pytest.mark.parametrize("splits,dtype", [(3, torch.float16), (6, torch.float16), (2, torch.float32)])
+def test_rms_norm_adds_up_a_products_split_sums_as_it_loads_them(splits, dtype):
+    """x given as float32 partial sums over K slices (`SplitSums`, o_proj's and down_proj's output in a tree
+    step): summed, rounded once to x's dtype, then the residual add and the norm as for a plain x."""
+    from medusa.kernels.skinny_matmul import SplitSums
+
+    g = torch.Generator().manual_seed(20 + splits)
+    parts, r, w = rand(g, splits, 5, 96) / splits, rand(g, 1, 5, 96, dtype=dtype), rand(g, 96, dtype=dtype)
+    x = SplitSums(parts, torch.Size((1, 5, 96)), dtype)
+    assert torch.equal(x.total(), parts.sum(0).to(dtype).view(1, 5, 96))
+    got, total = rms_norm_triton(x, w, 1e-5, residual=r)
+    want, want_total = add_rms_norm_reference(x.total(), r, w, 1e-5)
+    assert got.shape == (1, 5, 96) and got.dtype == dtype
+    assert close(total, want_total, dtype) and close(got, want, dtype)
+    got, none = rms_norm_triton(x, w, 1e-5)
+    assert none is None and close(got, rms_norm_reference(x.total(), w, 1e-5), dtype)
+    with pytest.raises(ValueError, match="SplitSums parts must be contiguous float32"):
+        rms_norm_triton(SplitSums(parts.half(), x.shape, dtype), w, 1e-5, residual=r)
+
+
 def test_rms_norm_strided_rows_and_leading_dims():
     g = torch.Generator().manual_seed(3)
     wide = rand(g, 2, 3, 96)

@@ -60,6 +60,45 @@ def test_wrapper_names_bad_inputs():
         skinny_matmul_triton(x, w, rand(g, 15))
 
 
+# (rows, K, N): K a multiple of the slice (512, 1536) or not (576: the last slice masked), rows 2 to 16
+@pytest.mark.parametrize("seed,rows,k,n,bias", [(0, 2, 512, 40, False), (1, 5, 576, 96, True), (2, 16, 1536, 33, False),
+                                                 (3, 16, 576, 64, True)])
+def test_split_k_products_match_linear(seed, rows, k, n, bias):
+    """K cut into SPLIT_K_BLOCK slices, each slice's float32 product kept apart (`SplitSums`); fp16, which the
+    interpreter computes right (bf16 runs on the GPU)."""
+    from medusa.kernels.skinny_matmul import SPLIT_K_BLOCK
+    from medusa.kernels.skinny_matmul_triton import split_k_matmul_triton
+
+    g = torch.Generator().manual_seed(seed)
+    x, w = rand(g, 1, rows, k, dtype=torch.float16) / 8, rand(g, n, k, dtype=torch.float16) / 8
+    b = rand(g, n, dtype=torch.float16) if bias else None
+    got = split_k_matmul_triton(x, w, b)
+    assert got.parts.shape == (-(-k // SPLIT_K_BLOCK), rows, n) and got.parts.dtype == torch.float32
+    assert got.shape == (1, rows, n) and got.dtype == torch.float16
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert torch.allclose(got.parts.sum(0).view(1, rows, n), want, atol=1e-3, rtol=1e-3)  # float32 sums
+    assert close(got.total(), want, torch.float16) and got.total().dtype == torch.float16
+
+
+def test_which_products_split_k_and_what_the_wrapper_refuses():
+    from medusa.kernels.skinny_matmul import SPLIT_K_BLOCK, splits_k
+    from medusa.kernels.skinny_matmul_triton import split_k_matmul_triton
+
+    assert splits_k(2, 2 * SPLIT_K_BLOCK, torch.bfloat16) and splits_k(DOT_MAX_ROWS, 1536, torch.float16)
+    assert not splits_k(1, 1536, torch.bfloat16)  # a plain step's row: the CUDA-core kernel
+    assert not splits_k(DOT_MAX_ROWS + 1, 1536, torch.bfloat16)  # a batch: cuBLAS
+    assert not splits_k(8, 2 * SPLIT_K_BLOCK - 1, torch.bfloat16)  # one slice would be all of K
+    assert not splits_k(8, 1536, torch.float32)  # float32 (the equality tests) keeps whole-K products
+    g = torch.Generator().manual_seed(9)
+    x, w = rand(g, 4, 512, dtype=torch.float16), rand(g, 8, 512, dtype=torch.float16)
+    with pytest.raises(ValueError, match="rows of fp16/bf16"):
+        split_k_matmul_triton(x.float(), w.float())
+    with pytest.raises(ValueError, match="contiguous"):
+        split_k_matmul_triton(x, rand(g, 512, 8, dtype=torch.float16).t())
+    with pytest.raises(ValueError, match="bias"):
+        split_k_matmul_triton(x, w, rand(g, 7, dtype=torch.float16))
+
+
 def test_which_products_take_the_kernels():
     assert covers(1, 14336, 2) and covers(16, 576, 2) and covers(9, DOT_MAX_K, 2)  # plain steps; small trees
     assert not covers(DOT_MAX_ROWS + 1, 576, 2) and not covers(2, DOT_MAX_K + 1, 2)  # batches; wide models
@@ -197,3 +236,98 @@ def test_a_forward_launches_with_pdl_only_where_every_matmul_is_skinny(monkeypat
     with torch.no_grad():
         model(torch.zeros(tokens, dtype=torch.long), torch.arange(tokens), CausalAttention())
     assert seen == [overlapped]
+
+
+def test_a_tree_steps_forward_cuts_o_and_down_projections_into_k_slices(monkeypatch):
+    """A forward of a few rows through the Triton kernels (the interpreter, `use_triton` forced on): o_proj and
+    down_proj leave their products as `SplitSums`, which the next norms add up; the hidden states match the
+    forward whose products keep whole K, and the PyTorch one."""
+    import medusa.kernels.skinny_matmul as skinny
+    import medusa.kernels.skinny_matmul_triton as skinny_triton
+    import medusa.layers
+    import medusa.rope
+    from medusa.attention import CausalAttention
+    from medusa.config import ModelConfig
+    from medusa.model import DecoderModel
+
+    torch.manual_seed(0)
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=2,
+                         num_heads=8, num_kv_heads=2, head_dim=64)  # o_proj K 512: 2 slices; down_proj K 512
+    model = DecoderModel(config).eval().half()
+    ids, positions = torch.randint(0, 64, (6,)), torch.arange(6)
+
+    def forward(kernels: bool):
+        for module in (skinny, medusa.layers, medusa.rope):
+            monkeypatch.setattr(module, "use_triton", lambda x, *rest: kernels)
+        with torch.no_grad():
+            return model(ids, positions, CausalAttention()).float()
+
+    reference = forward(False)
+    calls = []
+    real = skinny_triton.split_k_matmul_triton
+    monkeypatch.setattr(skinny_triton, "split_k_matmul_triton", lambda *a: calls.append(a) or real(*a))
+    split = forward(True)
+    assert len(calls) == 2 * config.num_layers  # o_proj and down_proj of every layer
+    monkeypatch.setattr(skinny, "SPLIT_K_ENABLED", False)
+    whole = forward(True)
+    assert len(calls) == 2 * config.num_layers
+    assert torch.allclose(split, whole, atol=2e-2, rtol=2e-2) and torch.allclose(split, reference, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_split_sums_feed_the_next_norm_in_a_pdl_chain_replayed_in_a_cuda_graph():
+    """The 135M's MLP shapes, bf16, 16 rows: norm -> gate/up -> SiLU -> down cut into K slices -> the next
+    norm adds them up, 4 times over, with PDL in one captured graph; against whole-K products eagerly."""
+    from medusa.kernels.dispatch import overlapped_launches
+    from medusa.kernels.fused_ops_triton import rms_norm_triton, silu_and_mul_triton
+    from medusa.kernels.skinny_matmul_triton import split_k_matmul_triton
+
+    g = torch.Generator().manual_seed(10)
+    bf16 = dict(dtype=torch.bfloat16)
+    layers = [(rand(g, 576, **bf16), rand(g, 3072, 576, **bf16) / 24, rand(g, 576, 1536, **bf16) / 40)
+              for _ in range(4)]
+    x, residual = rand(g, 16, 576, **bf16), rand(g, 16, 576, **bf16)
+    for k, n in ((576, 576), (1536, 576), (576, 960)):  # o_proj, down_proj, and a wider N
+        a, w = rand(g, 16, k, **bf16), rand(g, n, k, **bf16) / 20
+        for rows in (2, 9, 16):
+            assert close(split_k_matmul_triton(a[:rows], w).total(), skinny_matmul_reference(a[:rows], w, None),
+                         torch.bfloat16)
+
+    def chain(down_matmul):
+        h, res = x, residual
+        for scale, up, down in layers:
+            normed, res = rms_norm_triton(h, scale, 1e-5, res)
+            h = down_matmul(silu_and_mul_triton(skinny_matmul_triton(normed, up)), down)
+        return rms_norm_triton(h, layers[0][0], 1e-5, res)[0]
+
+    with overlapped_launches(False):
+        whole = chain(skinny_matmul_triton)
+        eager = chain(split_k_matmul_triton)
+    assert close(eager, whole, torch.bfloat16)
+    with overlapped_launches(True):
+        chain(split_k_matmul_triton)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(split_k_matmul_triton)
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+def test_norms_without_the_kernels_add_up_split_sums_first():
+    """A norm on the PyTorch path (a CPU; mixed dtypes) given `SplitSums` sums them, as `total()` does."""
+    from medusa.kernels.skinny_matmul import SplitSums
+    from medusa.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(11)
+    parts, residual = torch.randn(3, 4, 32, generator=g), torch.randn(4, 32, generator=g)
+    x = SplitSums(parts, torch.Size((4, 32)), torch.float32)
+    norm = RMSNorm(32, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        got, total = norm.add_and_norm(x, residual)
+        want, want_total = norm.add_and_norm(x.total(), residual)
+        assert torch.equal(got, want) and torch.equal(total, want_total)
+        assert torch.equal(norm(x), norm(x.total()))
