@@ -52,37 +52,10 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_
 @triton.jit
 def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    # Grid (N tiles, M tiles): the M tiles of one weight tile are adjacent programs, so all but
-    # the first read of it come from L2. One tensor-core product over the whole of K (<= DOT_MAX_K).
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    k = tl.arange(0, BLOCK_K)
-    n_ok = n < N
-    k_ok = k < K
-    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                other=0.0)  # [BLOCK_N, BLOCK_K], read before the previous kernel is done
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-    wait_for_previous(PDL)
-    m_ok = m < M
-    x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    if IEEE:  # float32 inputs: full-precision products, not TF32
-        acc = tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:
-        acc = tl.dot(x, tl.trans(w))  # [BLOCK_M, BLOCK_N] float32
-    if HAS_BIAS:
-        acc += bias[None, :]
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _split_k_dot_kernel(x_ptr, w_ptr, b_ptr, part_ptr, M, N, K, stride_xm,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    # Grid (N tiles, K slices): program (j, s) multiplies the rows by weight[j tile, s-th BLOCK_K slice] on the
-    # tensor cores and stores its float32 partial at parts[s]; the consumer sums the slices as it loads them.
+                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr):
+    # Grid (N tiles, K slices); one 16-row tile holds every row (M <= DOT_MAX_ROWS). Whole K (one slice,
+    # BLOCK_K >= K): the product, rounded to out's dtype. SLICED: program (j, s) multiplies by the s-th
+    # BLOCK_K slice of K and stores its float32 partial at out[s] ([S, M, N], `SplitSums`).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     s = tl.program_id(1)
     k = s * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -92,15 +65,23 @@ def _split_k_dot_kernel(x_ptr, w_ptr, b_ptr, part_ptr, M, N, K, stride_xm,
                 other=0.0)  # [BLOCK_N, BLOCK_K], read before the previous kernel is done
     if HAS_BIAS:
         bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-        bias = tl.where(s == 0, bias, 0.0)  # added once, by slice 0
+        if SLICED:
+            bias = tl.where(s == 0, bias, 0.0)  # added once, by the first slice
     wait_for_previous(PDL)
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
     x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    acc = tl.dot(x, tl.trans(w))  # [BLOCK_M, BLOCK_N] float32
+    if IEEE:  # float32 inputs: full-precision products, not TF32
+        acc = tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(w))  # [BLOCK_M, BLOCK_N] float32
     if HAS_BIAS:
         acc += bias[None, :]
-    tl.store(part_ptr + (s * M + m)[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+    if SLICED:
+        tl.store(out_ptr + (s * M + m)[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
 
 
 def split_k_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> SplitSums:
@@ -121,10 +102,10 @@ def split_k_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         rows = rows.contiguous()
     slices = triton.cdiv(k, SPLIT_K_BLOCK)
     parts = torch.empty(slices, rows.shape[0], n, dtype=torch.float32, device=x.device)
-    _split_k_dot_kernel[(triton.cdiv(n, DOT_BLOCK_N), slices)](
-        rows, weight, bias if bias is not None else weight, parts, rows.shape[0], n, k, rows.stride(0),
-        BLOCK_M=16, BLOCK_N=DOT_BLOCK_N, BLOCK_K=SPLIT_K_BLOCK, HAS_BIAS=bias is not None, num_warps=4,
-        **pdl_options(x, rows.shape[0]))
+    _skinny_dot_kernel[(triton.cdiv(n, DOT_BLOCK_N), slices)](
+        rows, weight, bias if bias is not None else weight, parts, rows.shape[0], n, k, rows.stride(0), n,
+        BLOCK_M=16, BLOCK_N=DOT_BLOCK_N, BLOCK_K=SPLIT_K_BLOCK, HAS_BIAS=bias is not None, IEEE=False, SLICED=True,
+        num_warps=4, **pdl_options(x, rows.shape[0]))
     return SplitSums(parts, x.shape[:-1] + (n,), x.dtype)
 
 
@@ -152,11 +133,11 @@ def skinny_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     block_k = triton.next_power_of_2(k)
     if several:  # tensor cores
         block_n = DOT_BLOCK_N if x.element_size() <= 2 else 16
-        grid = (triton.cdiv(n, block_n), triton.cdiv(rows.shape[0], 16))
-        _skinny_dot_kernel[grid](
+        _skinny_dot_kernel[(triton.cdiv(n, block_n), 1)](  # one slice: the whole of K
             rows, weight, bias if bias is not None else weight, out, rows.shape[0], n, k, rows.stride(0),
             out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-            IEEE=x.dtype == torch.float32, num_warps=4 if block_k <= 1024 else 8, **pdl_options(x, rows.shape[0]))
+            IEEE=x.dtype == torch.float32, SLICED=False, num_warps=4 if block_k <= 1024 else 8,
+            **pdl_options(x, rows.shape[0]))
         return out.view(*x.shape[:-1], n)
     block_n = max(1, min(64, TILE_BYTES // x.element_size() // block_k))
     tile_bytes = block_n * block_k * x.element_size()
