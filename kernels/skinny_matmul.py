@@ -45,6 +45,13 @@ ENABLED = os.environ.get("MEDUSA_SKINNY", "1") != "0"
 # (o_proj, [576, 576]: 2.29 against 1.49). MEDUSA_SPLIT_K=0 keeps whole-K products (to time one against the other).
 SPLIT_K_BLOCK = 256
 SPLIT_K_ENABLED = os.environ.get("MEDUSA_SPLIT_K", "1") != "0"
+# On a CPU, F.linear of a few rows by a large weight (x @ W.T) ran 1.1-3.9x slower than the same product
+# with the weight as the left operand (W @ x.T): 2 cores, MKL, float32, weights of 19-262 MB at 2-64 rows (the
+# default model's [49152, 576] lm_head: 2-4 rows 22-23 against 6-9 ms, 8-32 rows 1.1-1.6x, 64 rows about even,
+# slower from 128),
+# where weights of 2-7 MB, which caches hold, gained little or lost (RESULTS.md, session 27).
+CPU_SWAP_MIN_BYTES = 16 << 20  # the default model's lm_head (113 MB), not its layers (<= 7 MB)
+CPU_SWAP_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -69,13 +76,6 @@ def splits_k(rows: int, k: int, dtype: torch.dtype) -> bool:
     tensor-core sizes (2..DOT_MAX_ROWS rows) of 2-byte types, K at least two slices."""
     return (SPLIT_K_ENABLED and 1 < rows <= DOT_MAX_ROWS and k >= 2 * SPLIT_K_BLOCK
             and dtype in (torch.float16, torch.bfloat16))
-# On a CPU, F.linear of a few rows by a large weight (x @ W.T) ran 1.1-3.9x slower than the same product
-# with the weight as the left operand (W @ x.T): 2 cores, MKL, float32, weights of 19-262 MB at 2-64 rows (the
-# default model's [49152, 576] lm_head: 2-4 rows 22-23 against 6-9 ms, 8-32 rows 1.1-1.6x, 64 rows about even,
-# slower from 128),
-# where weights of 2-7 MB, which caches hold, gained little or lost (RESULTS.md, session 27).
-CPU_SWAP_MIN_BYTES = 16 << 20  # the default model's lm_head (113 MB), not its layers (<= 7 MB)
-CPU_SWAP_MAX_ROWS = 64
 
 
 def skinny_matmul_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
