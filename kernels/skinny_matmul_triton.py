@@ -84,6 +84,17 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
+def _check_weight_and_bias(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """weight a contiguous [N, K] and bias [N] or None, both of x's dtype (K = x's last dim)."""
+    k, n = x.shape[-1], weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
+        raise ValueError(f"{op}: weight must be a contiguous [N, {k}], got {tuple(weight.shape)} "
+                         f"with strides {weight.stride()}")
+    if weight.dtype != x.dtype or (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype)):
+        raise ValueError(f"{op}: weight and bias [{n}] must be of x's dtype {x.dtype}, got "
+                         f"{weight.dtype}" + ("" if bias is None else f", {tuple(bias.shape)} {bias.dtype}"))
+
+
 def split_k_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> SplitSums:
     """`x @ weight.T (+ bias)` as SPLIT_K_BLOCK-wide slices of K, each slice's float32 product stored apart:
     -> SplitSums (parts [S, rows, N]). x [..., K] with 2..DOT_MAX_ROWS rows; weight [N, K] contiguous."""
@@ -93,11 +104,7 @@ def split_k_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if not splits_k(rows.shape[0], k, x.dtype):
         raise ValueError(f"split_k_matmul: 2..{DOT_MAX_ROWS} rows of fp16/bf16 with K >= {2 * SPLIT_K_BLOCK}, "
                          f"got x {tuple(x.shape)} of {x.dtype}")
-    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous() or weight.dtype != x.dtype:
-        raise ValueError(f"split_k_matmul: weight must be a contiguous [N, {k}] of {x.dtype}, got "
-                         f"{tuple(weight.shape)} {weight.dtype} with strides {weight.stride()}")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
-        raise ValueError(f"split_k_matmul: bias must be [{n}] of {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    _check_weight_and_bias("split_k_matmul", x, weight, bias)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     slices = triton.cdiv(k, SPLIT_K_BLOCK)
@@ -116,17 +123,12 @@ def skinny_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     k = x.shape[-1]
     n = weight.shape[0]
     rows = x.reshape(-1, k) if k else x.reshape(0, 0)
-    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
-        raise ValueError(f"skinny_matmul: weight must be a contiguous [N, {k}], got {tuple(weight.shape)} "
-                         f"with strides {weight.stride()}")
+    _check_weight_and_bias("skinny_matmul", x, weight, bias)
     several = fits_tensor_cores(rows.shape[0], k, x.element_size())
     if not (several or 0 < rows.shape[0] <= KERNEL_MAX_ROWS and 0 < k <= MAX_K):
         raise ValueError(f"skinny_matmul: 1..{KERNEL_MAX_ROWS} rows of 1..{MAX_K} features, or up to "
                          f"{DOT_MAX_ROWS} rows of K <= {DOT_MAX_K} (a [16, K] tile of at most {DOT_TILE_BYTES} "
                          f"bytes), got x {tuple(x.shape)} of {x.dtype}")
-    if weight.dtype != x.dtype or (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype)):
-        raise ValueError(f"skinny_matmul: weight and bias [{n}] must be of x's dtype {x.dtype}, got "
-                         f"{weight.dtype}" + ("" if bias is None else f", {tuple(bias.shape)} {bias.dtype}"))
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
