@@ -41,7 +41,7 @@ ENABLED = os.environ.get("MEDUSA_SKINNY", "1") != "0"
 # Products whose consumer sums partials (`SplitSums`: o_proj and down_proj, read by the next RMSNorm) are cut
 # along K into slices of SPLIT_K_BLOCK, one program per (32 weight rows, slice). A whole-K program streams
 # 32 x K weights through one SM, so the 135M's [576, 1536] down projection ran on 18 SMs: on an H200, per call
-# in a graph with PDL (RESULTS.md, session 31), 16 rows took 4.47 us whole and 1.64 us in 6 slices of 256
+# in a graph with PDL (RESULTS.md, session 31), 16 rows took 4.47 us whole and 1.67 us in 6 slices of 256
 # (o_proj, [576, 576]: 2.29 against 1.49). MEDUSA_SPLIT_K=0 keeps whole-K products (to time one against the other).
 SPLIT_K_BLOCK = 256
 SPLIT_K_ENABLED = os.environ.get("MEDUSA_SPLIT_K", "1") != "0"
