@@ -17,6 +17,7 @@ from medusa.config import ModelConfig
 from medusa.kernels.dispatch import use_triton
 from medusa.kernels.kv_move import move_kv
 from medusa.kernels.paged_attention import kernel_pages, paged_attention_reference, write_kv_reference
+from medusa.kernels.skinny_matmul import SplitSums
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,12 @@ class PagedKVCache:
     def rotate_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           positions: torch.Tensor, rotary) -> torch.Tensor:
         """RoPE, KV write and attention; on the Triton path RoPE and the KV write are one kernel
-        (one launch per layer fewer). q [T, Hq, D], k/v [T, Hkv, D] un-rotated -> [T, Hq, D]."""
-        if not (self.use_triton and use_triton(q, k, v)):
+        (one launch per layer fewer). q [T, Hq, D], k/v [T, Hkv, D] un-rotated -> [T, Hq, D]; all three may be
+        views of a QKV product left as `SplitSums`, which the kernel adds up as it loads them."""
+        split = isinstance(q, SplitSums)
+        if not (self.use_triton and use_triton(*(t.parts if split else t for t in (q, k, v)))):
+            if split:
+                q, k, v = q.total(), k.total(), v.total()
             q, k = rotary(positions, q, k)
             return self(layer, q, k, v)
         from medusa.kernels.paged_attention_triton import rope_write_kv_triton

@@ -17,21 +17,28 @@ from medusa.kernels.skinny_matmul import SplitSums
 
 
 @triton.jit
+def load_product(ptr, offs, mask, stride_split, SPLITS: tl.constexpr, DTYPE: tl.constexpr):
+    """A matmul's output at ptr + offs, as DTYPE: loaded as it is, or (SPLITS > 0) given as float32 partial sums
+    over K slices stride_split apart (`SplitSums`), summed and rounded once, as a whole-K product's epilogue rounds."""
+    if SPLITS:
+        x = tl.load(ptr + offs, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            x += tl.load(ptr + s * stride_split + offs, mask=mask, other=0.0)
+        x = x.to(DTYPE)
+    else:
+        x = tl.load(ptr + offs, mask=mask, other=0.0).to(DTYPE)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_split, size, eps,
-                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < size
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # no kernel writes it: read before waiting
     wait_for_previous(PDL)
-    if SPLITS:  # x as float32 partial sums over K slices [SPLITS, rows, size] (`SplitSums`): add them up
-        slices = tl.arange(0, SPLIT_BLOCK)
-        parts = tl.load(x_ptr + slices[:, None] * stride_split + row * stride_x + cols[None, :],
-                        mask=(slices < SPLITS)[:, None] & ok[None, :], other=0.0)  # [SPLIT_BLOCK, BLOCK]
-        x = tl.sum(parts, 0).to(out_ptr.dtype.element_ty)  # rounded once, as a whole-K product's epilogue rounds
-    else:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    x = load_product(x_ptr, row * stride_x + cols, ok, stride_split, SPLITS, out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch rounds x + residual
@@ -42,33 +49,41 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     tl.store(out_ptr + row * size + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def _product_rows(op: str, x: torch.Tensor | SplitSums) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """-> (what the kernel reads, x's rows [rows, N], K slices): a tensor as it is (its last dim contiguous, rows
+    maybe strided; 0 slices), or a product left as `SplitSums`: its parts, contiguous float32 [S, rows, N]."""
+    n = x.shape[-1]
+    if not isinstance(x, SplitSums):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{op}: x's last dim must be contiguous, got strides {x.stride()}")
+        rows = x.reshape(-1, n)
+        return rows, rows, 0
+    parts = x.parts
+    if parts.dtype != torch.float32 or not parts.is_contiguous() or parts.shape[1:] != (x.shape.numel() // n, n):
+        raise ValueError(f"{op}: SplitSums parts must be contiguous float32 [S, rows, {n}], got "
+                         f"{tuple(parts.shape)} {parts.dtype}")
+    return parts, parts[0], parts.shape[0]
+
+
 def rms_norm_triton(x: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [..., H] (rows contiguous), or a product left as `SplitSums` -> (rms_norm(x [+ residual]),
     x + residual or None)."""
     size = x.shape[-1]
-    parts = x.parts if isinstance(x, SplitSums) else None
-    if weight.shape != (size,) or weight.dtype != x.dtype or (parts is None and x.stride(-1) != 1):
-        raise ValueError(f"rms_norm: weight must be [{size}] of {x.dtype} and x's last dim contiguous, got "
-                         f"{tuple(weight.shape)} {weight.dtype}" + ("" if parts is not None else f", stride {x.stride()}"))
+    if weight.shape != (size,) or weight.dtype != x.dtype:
+        raise ValueError(f"rms_norm: weight must be [{size}] of {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
         raise ValueError(f"rms_norm: residual must match x {tuple(x.shape)} {x.dtype}, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
-    if parts is not None and (parts.dtype != torch.float32 or not parts.is_contiguous()
-                              or parts.shape[1:] != (x.shape.numel() // size, size)):
-        raise ValueError(f"rms_norm: SplitSums parts must be contiguous float32 [S, rows, {size}], got "
-                         f"{tuple(parts.shape)} {parts.dtype}")
-    rows_x = x.reshape(-1, size) if parts is None else parts[0]
+    source, rows_x, splits = _product_rows("rms_norm", x)
     rows_r = residual.reshape(-1, size) if residual is not None else rows_x
     out = torch.empty(x.shape, dtype=x.dtype, device=rows_x.device)
     res_out = torch.empty_like(out) if residual is not None else out
-    splits = 0 if parts is None else parts.shape[0]
     if rows_x.shape[0]:
         _rms_norm_kernel[(rows_x.shape[0],)](
-            rows_x if parts is None else parts, rows_r, weight, out, res_out, rows_x.stride(0), rows_r.stride(0),
+            source, rows_r, weight, out, res_out, rows_x.stride(0), rows_r.stride(0),
             rows_x.numel(), size, eps, HAS_RESIDUAL=residual is not None, SPLITS=splits,
-            SPLIT_BLOCK=triton.next_power_of_2(max(splits, 1)), BLOCK=triton.next_power_of_2(size),
-            **pdl_options(out, rows_x.shape[0]))
+            BLOCK=triton.next_power_of_2(size), **pdl_options(out, rows_x.shape[0]))
     return out, (res_out if residual is not None else None)
 
 
@@ -100,31 +115,32 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_rows(src_row, dst_row, stride_sh, stride_dh, num_heads, cos, sin,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotate one token's heads: src_row / dst_row point at its [H, D] rows (head strides given)."""
+def _rotate_rows(src_row, dst_row, stride_sh, stride_dh, num_heads, cos, sin, stride_split,
+                 SPLITS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate one token's heads: src_row / dst_row point at its [H, D] rows (head strides given); src may be
+    a product's `SplitSums` slices, stride_split apart (`load_product`)."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
     ok = (heads < num_heads)[:, None]
-    src = src_row + heads[:, None] * stride_sh + dims[None, :]
-    x1 = tl.load(src, mask=ok, other=0.0)
-    x2 = tl.load(src + HALF, mask=ok, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    src = heads[:, None] * stride_sh + dims[None, :]
+    dtype = dst_row.dtype.element_ty
+    a = load_product(src_row, src, ok, stride_split, SPLITS, dtype).to(tl.float32)
+    b = load_product(src_row, src + HALF, ok, stride_split, SPLITS, dtype).to(tl.float32)
     dst = dst_row + heads[:, None] * stride_dh + dims[None, :]
-    tl.store(dst, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=ok)
-    tl.store(dst + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=ok)
+    tl.store(dst, (a * cos[None, :] - b * sin[None, :]).to(dtype), mask=ok)
+    tl.store(dst + HALF, (b * cos[None, :] + a * sin[None, :]).to(dtype), mask=ok)
 
 
 @triton.jit
-def _rotate_q(q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr, token, stride_qt, stride_qh, num_q_heads,
-              HALF: tl.constexpr, BLOCK_QH: tl.constexpr):
+def _rotate_q(q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr, token, stride_qt, stride_qh, num_q_heads, stride_split,
+              SPLITS: tl.constexpr, HALF: tl.constexpr, BLOCK_QH: tl.constexpr):
     """The token's cos/sin rows [D/2] from its position; q rotated into the contiguous q_out. Returns (cos, sin)."""
     pos = tl.load(pos_ptr + token)
     dims = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * HALF + dims)
     sin = tl.load(sin_ptr + pos * HALF + dims)
     _rotate_rows(q_ptr + token * stride_qt, q_out_ptr + token * num_q_heads * 2 * HALF, stride_qh, 2 * HALF,
-                 num_q_heads, cos, sin, HALF, BLOCK_QH)
+                 num_q_heads, cos, sin, stride_split, SPLITS, HALF, BLOCK_QH)
     return cos, sin
 
 
@@ -133,10 +149,10 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr
                    stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads,
                    HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    cos, sin = _rotate_q(q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr, token, stride_qt, stride_qh, num_q_heads,
-                         HALF, BLOCK_QH)
+    cos, sin = _rotate_q(q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr, token, stride_qt, stride_qh, num_q_heads, 0,
+                         0, HALF, BLOCK_QH)
     _rotate_rows(k_ptr + token * stride_kt, k_out_ptr + token * num_k_heads * 2 * HALF, stride_kh, 2 * HALF,
-                 num_k_heads, cos, sin, HALF, BLOCK_KH)
+                 num_k_heads, cos, sin, 0, 0, HALF, BLOCK_KH)
 
 
 def rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

@@ -20,9 +20,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from medusa.kernels.fused_ops_triton import _rotate_q, _rotate_rows
+from medusa.kernels.fused_ops_triton import _rotate_q, _rotate_rows, load_product
 from medusa.kernels.paged_attention import chunks_per_split, kernel_pages, row_tile
 from medusa.kernels.pdl import pdl_options, wait_for_previous
+from medusa.kernels.skinny_matmul import SplitSums
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 # MEDUSA_TMA=0 keeps the prefix walk on per-slot loads whatever the page size (to time one against the other)
@@ -414,31 +415,48 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
 @triton.jit
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, cos_ptr,
                           sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-                          stride_ch, num_q_heads, num_kv_heads,
+                          stride_ch, stride_split, num_q_heads, num_kv_heads, SPLITS: tl.constexpr,
                           HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, PDL: tl.constexpr):
     # One program per token: q rotated into q_out; k rotated straight into its cache slot and v
-    # copied there, so k is never written out and read back by a second kernel.
+    # copied there, so k is never written out and read back by a second kernel. SPLITS > 0: q, k and v
+    # are a QKV product's float32 K-slice partials (`SplitSums`), summed as they are loaded.
     wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _rotate_q(q_ptr, q_out_ptr, pos_ptr, cos_ptr, sin_ptr, token, stride_qt, stride_qh, num_q_heads,
-                         HALF, BLOCK_QH)
+                         stride_split, SPLITS, HALF, BLOCK_QH)
     slot = tl.load(slots_ptr + token)
     if slot >= 0:  # a negative slot is a padding token: nothing to store
         _rotate_rows(k_ptr + token * stride_kt, k_cache_ptr + slot * stride_cs, stride_kh, stride_ch,
-                     num_kv_heads, cos, sin, HALF, BLOCK_KH)
+                     num_kv_heads, cos, sin, stride_split, SPLITS, HALF, BLOCK_KH)
         heads = tl.arange(0, BLOCK_KH)
         dims = tl.arange(0, 2 * HALF)
         ok = (heads < num_kv_heads)[:, None]
-        v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=ok)  # [Hkv, D]
+        v = load_product(v_ptr + token * stride_vt, heads[:, None] * stride_vh + dims[None, :], ok, stride_split,
+                         SPLITS, v_cache_ptr.dtype.element_ty)  # [Hkv, D]
         tl.store(v_cache_ptr + slot * stride_cs + heads[:, None] * stride_ch + dims[None, :], v, mask=ok)
 
 
-def rope_write_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> torch.Tensor:
+def _qkv_sources(q, k, v) -> tuple[tuple[torch.Tensor, ...], int, int]:
+    """-> ((q, k, v) as the kernel reads them, K slices, the slices' stride): the tensors themselves (0 slices),
+    or, where all three are column views of one QKV product left as `SplitSums`, their float32 parts."""
+    kinds = {isinstance(t, SplitSums) for t in (q, k, v)}
+    if kinds == {False}:
+        return (q, k, v), 0, 0
+    parts = [t.parts for t in (q, k, v)] if kinds == {True} else []
+    if (not parts or any(p.dtype != torch.float32 or p.stride(0) != parts[0].stride(0) for p in parts)
+            or len({p.shape[0] for p in parts}) != 1):
+        raise ValueError("rope_write_kv: q, k and v must be all tensors or all views of one product's SplitSums "
+                         "(float32 parts of one slice count and stride)")
+    return tuple(parts), parts[0].shape[0], parts[0].stride(0)
+
+
+def rope_write_kv_triton(positions: torch.Tensor, q: torch.Tensor | SplitSums, k: torch.Tensor | SplitSums,
+                         v: torch.Tensor | SplitSums, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Checked wrapper of `rope_write_kv_reference`'s contract: returns the rotated q [T, Hq, D].
 
-    q, k, v may be strided column slices of the fused QKV output (last dim contiguous);
+    q, k, v may be strided column slices of the fused QKV output (last dim contiguous), or views of that
+    product left as `SplitSums` (`SplitSums.split` and `.view`), summed as the kernel loads them;
     positions [T] int64; cos/sin [P, D/2] float32; caches [slots, Hkv, D] contiguous.
     """
     t, _, d = q.shape
@@ -446,7 +464,8 @@ def rope_write_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
     if k.shape != v.shape or k.shape[0] != t or k.shape[2] != d or k.shape[1:] != k_cache.shape[1:]:
         raise ValueError(f"rope_write_kv: q [T, Hq, D], k/v [T, Hkv, D] matching the cache rows; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
-    if d % 2 or half & (half - 1) or any(x.stride(2) != 1 for x in (q, k, v)):
+    (qs, ks, vs), splits, stride_split = _qkv_sources(q, k, v)
+    if d % 2 or half & (half - 1) or any(x.stride(-1) != 1 for x in (qs, ks, vs)):
         raise ValueError(f"rope_write_kv: head_dim {d} must be twice a power of two, last dims contiguous")
     if cos.shape != sin.shape or cos.shape[-1] != half or cos.dtype != torch.float32 or not cos.is_contiguous():
         raise ValueError(f"rope_write_kv: cos/sin must be contiguous float32 [positions, {half}]")
@@ -454,14 +473,14 @@ def rope_write_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         raise ValueError("rope_write_kv: k/v caches must be contiguous [slots, Hkv, D] of k's dtype")
     if slot_mapping.shape != (t,) or slot_mapping.dtype != torch.int64 or positions.shape != (t,):
         raise ValueError("rope_write_kv: slot_mapping int64 [T] and positions [T] expected")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=qs.device)
     if t:
         _rope_write_kv_kernel[(t,)](
-            q, k, v, q_out, k_cache, v_cache, positions.contiguous(), slot_mapping, cos, sin,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), q.shape[1], k.shape[1],
+            qs, ks, vs, q_out, k_cache, v_cache, positions.contiguous(), slot_mapping, cos, sin,
+            qs.stride(-3), qs.stride(-2), ks.stride(-3), ks.stride(-2), vs.stride(-3), vs.stride(-2),
+            k_cache.stride(0), k_cache.stride(1), stride_split, q.shape[1], k.shape[1], SPLITS=splits,
             HALF=half, BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-            **pdl_options(q, t))
+            **pdl_options(qs, t))
     return q_out
 
 

@@ -9,8 +9,9 @@ a few whole weight rows, load them before waiting on the previous kernel (PDL,
 `pdl.py`), and then multiply: one row on the CUDA cores (any K up to MAX_K), up
 to DOT_MAX_ROWS rows on the tensor cores (K up to DOT_MAX_K, so that a weight
 tile and a 16-row input tile stay within one program). Larger products keep
-cuBLAS, which is at its best there. A product whose consumer sums partials
-(o_proj and down_proj, read by the next norm) is cut along K instead (`SplitSums`).
+cuBLAS, which is at its best there. A product whose consumer sums partials as it
+loads them (o_proj and down_proj feed the next norm, qkv_proj RoPE and the KV
+write) is cut along K instead (`SplitSums`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ DOT_MAX_K = 1536
 DOT_TILE_BYTES = 64 * 1024  # K padded to a power of two: bf16 up to K 2048, float32 up to 1024
 # MEDUSA_SKINNY=0 sends every product to cuBLAS (to time one against the other, or to bisect a difference)
 ENABLED = os.environ.get("MEDUSA_SKINNY", "1") != "0"
-# Products whose consumer sums partials (`SplitSums`: o_proj and down_proj, read by the next RMSNorm) are cut
+# Products whose consumer sums partials (`SplitSums`: see `medusa.layers.Linear`'s split_sums) are cut
 # along K into slices of SPLIT_K_BLOCK, one program per (32 weight rows, slice). A whole-K program streams
 # 32 x K weights through one SM, so the 135M's [576, 1536] down projection ran on 18 SMs: on an H200, per call
 # in a graph with PDL (RESULTS.md, session 31), 16 rows took 4.47 us whole and 1.67 us in 6 slices of 256
@@ -59,7 +60,9 @@ class SplitSums:
     """A product `x @ W.T` left as float32 partial sums over slices of K, for a consumer that adds them up as it
     loads its input (`rms_norm_triton`), so that cutting K costs no kernel of its own.
 
-    parts [S, rows, N] float32; shape: the product's [..., N]; dtype: the product's (x's) dtype.
+    parts [S, *shape] float32 (a product's are contiguous [S, rows, N]; `split` and `view` give views of them,
+    as Tensor.split and Tensor.view do of the product, so q, k and v can be cut from a fused QKV product);
+    shape: the product's [..., N]; dtype: the product's (x's) dtype.
     """
 
     parts: torch.Tensor
@@ -69,6 +72,19 @@ class SplitSums:
     def total(self) -> torch.Tensor:
         """The product itself [..., N]: the slices summed in float32, rounded once to dtype."""
         return self.parts.sum(0).to(self.dtype).view(self.shape)
+
+    def split(self, sizes: list[int], dim: int = -1) -> list[SplitSums]:
+        """Column slices of the product (views of the parts), as `Tensor.split(sizes, dim=-1)`."""
+        if dim not in (-1, len(self.shape) - 1) or sum(sizes) != self.shape[-1]:
+            raise ValueError(f"SplitSums.split: sizes summing to the last dim {self.shape[-1]}, got {sizes} "
+                             f"along dim {dim}")
+        return [SplitSums(part, self.shape[:-1] + (size,), self.dtype)
+                for part, size in zip(self.parts.split(sizes, dim=-1), sizes)]
+
+    def view(self, *shape: int) -> SplitSums:
+        """The product viewed as `shape` (the parts as [S, *shape]), as `Tensor.view`."""
+        parts = self.parts.view(self.parts.shape[0], *shape)
+        return SplitSums(parts, parts.shape[1:], self.dtype)
 
 
 def splits_k(rows: int, k: int, dtype: torch.dtype) -> bool:

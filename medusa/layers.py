@@ -77,8 +77,9 @@ class Linear(nn.Linear):
     """nn.Linear whose product takes the skinny Triton kernel for a few rows on the GPU
     (a batch-1 plain step; `kernels/skinny_matmul.py`), cuBLAS otherwise.
 
-    split_sums: the output only ever goes to an RMSNorm's residual add (o_proj, down_proj), which takes a
-    product left as `SplitSums`: then a tree step's few rows cut K into slices on the tensor cores.
+    split_sums: the output only goes to consumers that take a product left as `SplitSums` (o_proj and
+    down_proj: the next RMSNorm's residual add; qkv_proj: RoPE and the KV write), so a tree step's few rows
+    cut K into slices on the tensor cores.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, split_sums: bool = False) -> None:
@@ -92,8 +93,8 @@ class Linear(nn.Linear):
 class FusedLinear(Linear):
     """One Linear whose output rows are the concatenation of named shards."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool, split_sums: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias, split_sums=split_sums)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         start = 0
         for name, size in shard_sizes.items():

@@ -17,6 +17,7 @@ from medusa.attention import AttentionBackend
 from medusa.config import ModelConfig
 from medusa.kernels import skinny_matmul
 from medusa.kernels.dispatch import overlapped_launches
+from medusa.kernels.skinny_matmul import SplitSums
 from medusa.layers import FusedLinear, Linear, RMSNorm, norm_linear, silu_and_mul
 from medusa.rope import RotaryEmbedding
 
@@ -27,21 +28,25 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, config.qkv_bias)
+        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, config.qkv_bias,
+                                    split_sums=True)  # to RoPE and the KV write (summed by the paged cache's kernel)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias, split_sums=True)  # to the next norm
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                attn: AttentionBackend) -> torch.Tensor:
-        """qkv [..., T, (Hq + 2 Hkv) D]: qkv_proj's output, which the decoder layer computes
-        together with the input norm -> o_proj's output [..., T, H] (`SplitSums` where a tree step's few rows
-        cut its K into slices: the post-attention norm adds them up)."""
+    def forward(self, qkv: torch.Tensor | SplitSums, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attn: AttentionBackend) -> torch.Tensor | SplitSums:
+        """qkv [..., T, (Hq + 2 Hkv) D]: qkv_proj's output, which the decoder layer computes together with the
+        input norm -> o_proj's output [..., T, H]. Where a tree step's few rows cut K into slices, both are
+        `SplitSums`: the paged cache's RoPE kernel adds up qkv's (other backends get it summed here), the
+        post-attention norm o_proj's."""
+        fused = getattr(attn, "rotate_and_attend", None)  # a cache that applies RoPE as it stores k
+        if isinstance(qkv, SplitSums) and fused is None:
+            qkv = qkv.total()
         lead = qkv.shape[:-1]  # [..., T]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # column views, of the parts for SplitSums
         q = q.view(*lead, self.num_heads, self.head_dim)  # [..., T, Hq, D]
         k = k.view(*lead, self.num_kv_heads, self.head_dim)  # [..., T, Hkv, D]
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        fused = getattr(attn, "rotate_and_attend", None)  # a cache that applies RoPE as it stores k
         if fused is not None:
             out = fused(self.layer, q, k, v, positions, rotary)
         else:
@@ -54,12 +59,14 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
+        # not cut into K slices for SiLU-and-mul to sum: on an H200 that made the 135M's tree steps 4-6% slower,
+        # where qkv_proj's slices made them 4-7% faster (benchmarks/RESULTS.md, session 32)
         self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias=False)
         self.down_proj = Linear(size, config.hidden_size, bias=False, split_sums=True)  # to the next norm
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [..., T, 2I]: gate_up_proj's output, which the decoder layer computes together
-        with the post-attention norm -> down_proj(silu(gate) * up) [..., T, H] (or `SplitSums`, as o_proj's)."""
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor | SplitSums:
+        """gate_up [..., T, 2I]: gate_up_proj's output, which the decoder layer computes together with the
+        post-attention norm -> down_proj(silu(gate) * up) [..., T, H] (or `SplitSums`, as o_proj's)."""
         return self.down_proj(silu_and_mul(gate_up))
 
 

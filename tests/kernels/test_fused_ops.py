@@ -68,6 +68,35 @@ def test_silu_and_mul(seed, rows, inter):
     assert close(silu_and_mul_triton(x), silu_and_mul_reference(x), torch.float32)
 
 
+@pytest.mark.parametrize("splits,dtype", [(2, torch.float16), (3, torch.float32)])
+def test_rope_and_kv_write_add_up_a_qkv_products_split_sums(splits, dtype):
+    """qkv_proj's output left as `SplitSums` and cut into q, k, v views (as the attention layer cuts the
+    product): the kernel sums each as it loads it, and rotates and stores what the summed product gives."""
+    from medusa.kernels.skinny_matmul import SplitSums
+
+    g = torch.Generator().manual_seed(40 + splits)
+    tokens, hq, hkv, d = 6, 4, 2, 64
+    rope = RotaryEmbedding(d, 512, RopeConfig(theta=10000.0)).to(DEVICE)
+    qkv = SplitSums(rand(g, splits, tokens, (hq + 2 * hkv) * d) / splits, torch.Size((tokens, (hq + 2 * hkv) * d)),
+                    dtype)
+    views = [t.view(tokens, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1)]
+    assert all(torch.equal(a.total(), b) for a, b in
+               zip(views, (t.view(tokens, -1, d) for t in qkv.total().split([hq * d, hkv * d, hkv * d], dim=-1))))
+    positions = torch.randint(0, 512, (tokens,), generator=g).to(DEVICE)
+    slots = torch.tensor([9, -1, 0, 17, 3, 30], device=DEVICE)
+    got = [torch.full((32, hkv, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
+    want = [t.clone() for t in got]
+    got_q = rope_write_kv_triton(positions, *views, rope.cos, rope.sin, *got, slots)
+    want_q = rope_write_kv_reference(positions, *(t.total() for t in views), rope.cos, rope.sin, *want, slots)
+    assert got_q.dtype == dtype and close(got_q, want_q, dtype)
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan()) and close(a.nan_to_num(9.0), b.nan_to_num(9.0), dtype)
+    with pytest.raises(ValueError, match="all tensors or all views of one product's SplitSums"):
+        rope_write_kv_triton(positions, views[0].total(), *views[1:], rope.cos, rope.sin, *got, slots)
+    with pytest.raises(ValueError, match="sizes summing to the last dim"):
+        qkv.split([hq * d, hkv * d])
+
+
 @pytest.mark.parametrize("seed,hq,hkv,d", [(0, 4, 2, 64), (1, 9, 3, 64), (2, 8, 8, 128)])
 def test_rotary_on_qkv_slices(seed, hq, hkv, d):
     g = torch.Generator().manual_seed(seed)

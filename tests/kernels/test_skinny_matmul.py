@@ -238,10 +238,11 @@ def test_a_forward_launches_with_pdl_only_where_every_matmul_is_skinny(monkeypat
     assert seen == [overlapped]
 
 
-def test_a_tree_steps_forward_cuts_o_and_down_projections_into_k_slices(monkeypatch):
-    """A forward of a few rows through the Triton kernels (the interpreter, `use_triton` forced on): o_proj and
-    down_proj leave their products as `SplitSums`, which the next norms add up; the hidden states match the
-    forward whose products keep whole K, and the PyTorch one."""
+def test_a_tree_steps_forward_cuts_its_projections_into_k_slices(monkeypatch):
+    """A forward of a few rows through the Triton kernels (the interpreter, `use_triton` forced on): qkv_proj,
+    o_proj and down_proj leave their products as `SplitSums`, which the next norms add up (and the attention
+    layer qkv's, for a backend without the fused RoPE kernel); the hidden states match the forward whose
+    products keep whole K, and the PyTorch one."""
     import medusa.kernels.skinny_matmul as skinny
     import medusa.kernels.skinny_matmul_triton as skinny_triton
     import medusa.layers
@@ -251,8 +252,8 @@ def test_a_tree_steps_forward_cuts_o_and_down_projections_into_k_slices(monkeypa
     from medusa.model import DecoderModel
 
     torch.manual_seed(0)
-    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=2,
-                         num_heads=8, num_kv_heads=2, head_dim=64)  # o_proj K 512: 2 slices; down_proj K 512
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=512, intermediate_size=512, num_layers=2,
+                         num_heads=8, num_kv_heads=2, head_dim=64)  # every K 512: 2 slices
     model = DecoderModel(config).eval().half()
     ids, positions = torch.randint(0, 64, (6,)), torch.arange(6)
 
@@ -267,11 +268,67 @@ def test_a_tree_steps_forward_cuts_o_and_down_projections_into_k_slices(monkeypa
     real = skinny_triton.split_k_matmul_triton
     monkeypatch.setattr(skinny_triton, "split_k_matmul_triton", lambda *a: calls.append(a) or real(*a))
     split = forward(True)
-    assert len(calls) == 2 * config.num_layers  # o_proj and down_proj of every layer
+    assert len(calls) == 3 * config.num_layers  # qkv, o and down projections of every layer
     monkeypatch.setattr(skinny, "SPLIT_K_ENABLED", False)
     whole = forward(True)
-    assert len(calls) == 2 * config.num_layers
+    assert len(calls) == 3 * config.num_layers
     assert torch.allclose(split, whole, atol=2e-2, rtol=2e-2) and torch.allclose(split, reference, atol=2e-2, rtol=2e-2)
+
+
+def test_over_the_paged_cache_every_projection_of_a_tree_step_is_cut_into_k_slices(monkeypatch):
+    """A narrow model (every K 512: two slices) over the paged KV cache, kernels forced on (the interpreter on a
+    CPU): qkv_proj's
+    `SplitSums` go to the RoPE-and-KV-write kernel, o_proj's and down_proj's to the norms (gate_up_proj keeps
+    whole K). The hidden states and the cached k/v match whole-K products' and PyTorch's."""
+    import medusa.decoding.paged_cache as paged_cache
+    import medusa.kernels.paged_attention_triton as attention_triton
+    import medusa.kernels.skinny_matmul as skinny
+    import medusa.kernels.skinny_matmul_triton as skinny_triton
+    import medusa.layers
+    import medusa.rope
+    from medusa.config import ModelConfig
+    from medusa.model import DecoderModel
+
+    torch.manual_seed(1)
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=512, intermediate_size=512, num_layers=2,
+                         num_heads=8, num_kv_heads=2, head_dim=64)
+    model = DecoderModel(config).eval().half().to(DEVICE)
+    tokens = 5
+    ids, positions = torch.randint(0, 64, (tokens,), device=DEVICE), torch.arange(3, 3 + tokens, device=DEVICE)
+    on = dict(device=DEVICE)
+    step = paged_cache.StepMetadata(  # one sequence: 3 cached keys, then the step's 5 tokens, causal
+        slot_mapping=torch.arange(3, 3 + tokens, **on), block_tables=torch.zeros(1, 1, dtype=torch.int32, **on),
+        kv_lens=torch.tensor([3 + tokens], **on), query_start=torch.tensor([0, tokens], **on),
+        causal=torch.ones(1, dtype=torch.int32, **on), step_bits=torch.zeros(tokens, dtype=torch.int64, **on),
+        max_query_len=tokens)
+    prefix = torch.randn(config.num_layers, 3, config.num_kv_heads, config.head_dim).half().to(DEVICE)
+
+    def forward(kernels: bool):
+        for module in (skinny, medusa.layers, medusa.rope, paged_cache):
+            monkeypatch.setattr(module, "use_triton", lambda x, *rest: kernels)
+        cache = paged_cache.PagedKVCache(config, num_blocks=1, block_size=16, dtype=torch.float16,
+                                         device=torch.device(DEVICE))
+        cache.use_triton = kernels
+        cache.k[:, :3], cache.v[:, :3] = prefix, -prefix  # three cached keys before the step's
+        with torch.no_grad():
+            hidden = cache.forward(model, ids, positions, step).float()
+        return hidden, cache.k[:, :3 + tokens].float(), cache.v[:, :3 + tokens].float()
+
+    reference = forward(False)
+    sliced, rotated = [], []
+    real_split, real_rope = skinny_triton.split_k_matmul_triton, attention_triton.rope_write_kv_triton
+    monkeypatch.setattr(skinny_triton, "split_k_matmul_triton", lambda *a: sliced.append(a[1].shape) or real_split(*a))
+    monkeypatch.setattr(attention_triton, "rope_write_kv_triton",
+                        lambda *a: rotated.append(type(a[1]).__name__) or real_rope(*a))
+    split = forward(True)
+    qkv = (3 * 512 // 2, 512)  # [N, K] of the fused weight
+    assert sliced == [qkv, (512, 512), (512, 512)] * config.num_layers
+    assert rotated == ["SplitSums"] * config.num_layers
+    monkeypatch.setattr(skinny, "SPLIT_K_ENABLED", False)
+    whole = forward(True)
+    assert rotated == ["SplitSums"] * config.num_layers + ["Tensor"] * config.num_layers
+    for a, b, c in zip(split, whole, reference):
+        assert torch.allclose(a, b, atol=2e-2, rtol=2e-2) and torch.allclose(a, c, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
