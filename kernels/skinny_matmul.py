@@ -58,7 +58,7 @@ CPU_SWAP_MAX_ROWS = 64
 @dataclass(frozen=True)
 class SplitSums:
     """A product `x @ W.T` left as float32 partial sums over slices of K, for a consumer that adds them up as it
-    loads its input (`rms_norm_triton`), so that cutting K costs no kernel of its own.
+    loads its input (`rms_norm_triton`, `rope_write_kv_triton`), so that cutting K costs no kernel of its own.
 
     parts [S, *shape] float32 (a product's are contiguous [S, rows, N]; `split` and `view` give views of them,
     as Tensor.split and Tensor.view do of the product, so q, k and v can be cut from a fused QKV product);

@@ -99,6 +99,7 @@ def test_which_products_split_k_and_what_the_wrapper_refuses():
         split_k_matmul_triton(x, w, rand(g, 7, dtype=torch.float16))
 
 
+@torch.no_grad()  # inference: the kernels are not for training (checked below under enable_grad)
 def test_which_products_take_the_kernels():
     assert covers(1, 14336, 2) and covers(16, 576, 2) and covers(9, DOT_MAX_K, 2)  # plain steps; small trees
     assert not covers(DOT_MAX_ROWS + 1, 576, 2) and not covers(2, DOT_MAX_K + 1, 2)  # batches; wide models
