@@ -60,17 +60,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_reference(x)
 
 
-def norm_linear(norm: RMSNorm, linear: nn.Module, x: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_linear(norm: RMSNorm, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                split_sums: bool = True) -> tuple[torch.Tensor | SplitSums, torch.Tensor]:
     """-> (linear(norm(x [+ residual])), residual stream: x + residual, or x itself when residual is None).
 
-    x, residual [..., H]; the first output is [..., linear's out_features].
+    x, residual [..., H]; the first output is [..., linear's out_features]. split_sums: passed to the `Linear`
+    (False: this call's consumer cannot take `SplitSums`).
     """
     if residual is None:
         h, residual = norm(x), x
     else:
         h, residual = norm.add_and_norm(x, residual)
-    return linear(h), residual
+    return linear(h, split_sums=split_sums), residual
 
 
 class Linear(nn.Linear):
@@ -86,8 +87,9 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.split_sums = split_sums
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
-        return skinny_matmul.linear(x, self.weight, self.bias, self.split_sums)
+    def forward(self, x: torch.Tensor, split_sums: bool = True) -> torch.Tensor | SplitSums:
+        """split_sums=False: this call's consumer cannot take `SplitSums` (a whole-K product whatever the layer)."""
+        return skinny_matmul.linear(x, self.weight, self.bias, self.split_sums and split_sums)
 
 
 class FusedLinear(Linear):

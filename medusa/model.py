@@ -36,8 +36,8 @@ class Attention(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor | SplitSums:
         """qkv [..., T, (Hq + 2 Hkv) D]: qkv_proj's output, which the decoder layer computes together with the
         input norm -> o_proj's output [..., T, H]. Where a tree step's few rows cut K into slices, both are
-        `SplitSums`: the paged cache's RoPE kernel adds up qkv's (other backends get it summed here), the
-        post-attention norm o_proj's."""
+        `SplitSums`: the paged cache's RoPE kernel adds up qkv's (the decoder layer gives other backends a
+        whole-K product; one left sliced is summed here), the post-attention norm o_proj's."""
         fused = getattr(attn, "rotate_and_attend", None)  # a cache that applies RoPE as it stores k
         if isinstance(qkv, SplitSums) and fused is None:
             qkv = qkv.total()
@@ -85,7 +85,10 @@ class DecoderLayer(nn.Module):
         two is fused into the next norm. Each norm runs with the projection after it
         (see `norm_linear`).
         """
-        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        # only a backend that applies RoPE as it stores k (the paged cache) sums a QKV product left as SplitSums:
+        # for the others, summing it apart would cost more launches than the slices save
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual,
+                                    split_sums=hasattr(attn, "rotate_and_attend"))
         h = self.self_attn(qkv, positions, rotary, attn)
         gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual)
         return self.mlp(gate_up), residual
