@@ -240,7 +240,7 @@ def test_a_forward_launches_with_pdl_only_where_every_matmul_is_skinny(monkeypat
 
 
 def test_a_tree_steps_forward_cuts_its_projections_into_k_slices(monkeypatch):
-    """A forward of a few rows through the Triton kernels (the interpreter, `use_triton` forced on): o_proj and
+    """A forward of a few rows through the Triton kernels (on a CPU the interpreter; `use_triton` forced on): o_proj and
     down_proj leave their products as `SplitSums`, which the next norms add up; qkv_proj keeps whole K for a
     backend without the fused RoPE kernel (`CausalAttention`). The hidden states match the forward whose
     products keep whole K, and the PyTorch one."""
@@ -255,8 +255,8 @@ def test_a_tree_steps_forward_cuts_its_projections_into_k_slices(monkeypatch):
     torch.manual_seed(0)
     config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=512, intermediate_size=512, num_layers=2,
                          num_heads=8, num_kv_heads=2, head_dim=64)  # every K 512: 2 slices
-    model = DecoderModel(config).eval().half()
-    ids, positions = torch.randint(0, 64, (6,)), torch.arange(6)
+    model = DecoderModel(config).eval().half().to(DEVICE)
+    ids, positions = torch.randint(0, 64, (6,), device=DEVICE), torch.arange(6, device=DEVICE)
 
     def forward(kernels: bool):
         for module in (skinny, medusa.layers, medusa.rope):
