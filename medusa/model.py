@@ -36,11 +36,9 @@ class Attention(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor | SplitSums:
         """qkv [..., T, (Hq + 2 Hkv) D]: qkv_proj's output, which the decoder layer computes together with the
         input norm -> o_proj's output [..., T, H]. Where a tree step's few rows cut K into slices, both are
-        `SplitSums`: the paged cache's RoPE kernel adds up qkv's (the decoder layer gives other backends a
-        whole-K product; one left sliced is summed here), the post-attention norm o_proj's."""
+        `SplitSums`: qkv's only for a backend with `rotate_and_attend` (the decoder layer decides), whose RoPE
+        kernel adds it up; o_proj's for the post-attention norm."""
         fused = getattr(attn, "rotate_and_attend", None)  # a cache that applies RoPE as it stores k
-        if isinstance(qkv, SplitSums) and fused is None:
-            qkv = qkv.total()
         lead = qkv.shape[:-1]  # [..., T]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # column views, of the parts for SplitSums
