@@ -176,12 +176,13 @@ class BlockManager:
         that a step already scheduled will write (its tree tokens; with steps
         launched before this one's tokens were read back): their blocks stay.
         """
-        _check_count("num_accepted", num_accepted)
-        _check_count("num_ahead", num_ahead)
-        self._check_backed(seq)
+        if not (type(num_accepted) is int and type(num_ahead) is int and num_accepted >= 0 and num_ahead >= 0):
+            num_accepted = _check_count("num_accepted", num_accepted)  # the checks inline above: every row, every step
+            num_ahead = _check_count("num_ahead", num_ahead)
         old = seq.num_computed_tokens
         new = old + num_accepted
         if new > len(seq.block_table) * self.block_size:
+            self._check_backed(seq)  # which of the two is wrong: the counters before, or this commit
             raise ValueError(f"num_accepted={num_accepted} goes past the {len(seq.block_table) * self.block_size} "
                              f"slots allocated to request {seq.request_id!r} ({old} computed)")
         if new > seq.num_tokens:

@@ -807,9 +807,15 @@ class LLMEngine:
     # ---- helpers ---------------------------------------------------------
 
     def _append(self, request: _Request, tokens: list[int]) -> list[int]:
-        """Append up to the first stop condition; finish and free the sequence if one hit."""
-        seq, params = request.seq, request.params
-        done = seq.num_output_tokens
+        """Append up to the first stop condition; finish and free the sequence if one hit. `tokens`: ints."""
+        seq, params, detok = request.seq, request.params, request.detok
+        done = len(seq.output_token_ids)
+        if (len(tokens) < params.max_tokens - done and request.stop_ids.isdisjoint(tokens)
+                and (detok is None or not detok.stop)):  # most steps: nothing here can end the sequence
+            if detok is not None:
+                request.new_text += detok.add(tokens)
+            seq.output_token_ids.extend(tokens)
+            return tokens
         room = max(params.max_tokens - done, 1)  # a token is always kept unless it stops the sequence
         kept = tokens[:room]
         reason = FinishReason.LENGTH if len(tokens) >= room else None
@@ -892,7 +898,7 @@ def _fill_bucket(prefills: list[ScheduledSeq], buckets: list[int], limit: int) -
         take = min(cut, item.num_tokens)
         cut -= take
         if take < item.num_tokens:
-            kept.append(replace(item, num_tokens=item.num_tokens - take))
+            kept.append(item._replace(num_tokens=item.num_tokens - take))
     return kept[::-1]
 
 
