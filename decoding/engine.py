@@ -40,11 +40,11 @@ from typing import Any, Sequence as Seq
 import numpy as np
 import torch
 
-from medusa.decoding import eager_costs
+from medusa.decoding import warmup
 from medusa.decoding.batch_verify import sampled_targets
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
-from medusa.decoding.decode_step import GREEDY, SAMPLED, RowSampling
+from medusa.decoding.decode_step import RowSampling
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, to_device
 from medusa.decoding.logits_processing import penalize, suppress_eos
@@ -55,16 +55,12 @@ from medusa.decoding.sampler import SamplingConfig, TokenSampler
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
-from medusa.decoding.tree_policy import TreePolicy, unmeasured_prior
+from medusa.decoding.tree_policy import TreePolicy
 from medusa.decoding.verifier import AcceptanceConfig, verify
 from medusa.heads import MedusaHeads
 from medusa.kernels.paged_attention import kernel_pages
 from medusa.model import DecoderModel
 from medusa.tree import MAX_NODES, TreeSpec
-
-# warmup times each bucket's trees in this many interleaved rounds and keeps each tree's fastest
-TIMING_ROUNDS = 3
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -329,131 +325,13 @@ class LLMEngine:
         starts from costs read off those (`eager_costs.py`; on two cores 3 s for the default model's
         one-request bucket, 10 s for all 64).
         """
-        if max_batch is not None and max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1 (or None for every batch bucket), got {max_batch}")
-        step = self.runner.decode
-        most = self.config.scheduler.max_num_seqs if max_batch is None else min(max_batch,
-                                                                                 self.config.scheduler.max_num_seqs)
-        buckets = sorted({step.bucket(b) for b in range(1, most + 1)})
-        accuracies = None
-        if self.heads is not None:
-            accuracies = self.heads.config.accuracies or unmeasured_prior(self.heads.config.num_heads)
-        if not step.use_graphs:
-            if not accuracies or len(self.scheduler.trees) == 1:
-                return {}  # nothing to capture, nothing to choose: the token budget's tree runs
-            return self._estimate_costs(buckets, accuracies, context)
-        self.runner.prefill.capture_all()
-        if not accuracies or len(self.scheduler.trees) == 1:
-            # nothing to choose (plain decoding, or one tree: `spec_bench.py --pin-tree`): the token budget's
-            # tree, captured where it stays under max_graph_tokens (other buckets capture at first use)
-            fixed = [b for b in buckets if self._fits_warmup(b, self.scheduler.tree_for(b))]
-            for bucket in fixed:
-                step.capture(self._device_tree(self.scheduler.tree_for(bucket)), bucket)
-            self._capture_mixed(fixed, lambda bucket: [self.scheduler.tree_for(bucket)], sampling)
-            return {b: self.scheduler.tree_for(b).label for b in buckets}
-        for bucket in buckets:
-            self._time_trees(bucket, [tree for tree in self.scheduler.trees
-                                      if self._fits_warmup(bucket, tree) and self.policy.add_prior(tree, accuracies)],
-                             context)
-        self.scheduler.policy = self._measured_tree
-        timed = [b for b in buckets if b in self.policy.step_cost]  # the trees each will run first
-        first_trees = lambda b: list(dict.fromkeys([self.policy.choose(b), self.policy.plain[b]]))  # noqa: E731
-        self._capture_mixed(timed, first_trees, sampling)
-        if sampling:
-            self._capture_sampled_trials(timed, first_trees)
-        return {b: self.policy.choose(b).label for b in buckets}
-
-    def _estimate_costs(self, buckets: list[int], accuracies, context: int) -> dict[int, str]:
-        """warmup() without graphs: the policy's step costs for every bucket from a few eager steps (once:
-        `MedusaModel.engine()` warms a CPU engine up, and a caller's warmup() must not time it again)."""
-        if all(b in self.policy.step_cost for b in buckets):
-            return {b: self.policy.choose(b).label for b in buckets}
-        step = self.runner.decode
-        trees = [tree for tree in self.scheduler.trees if self.policy.add_prior(tree, accuracies)]
-        timed = lambda tree, rows, propose: step.time_step(  # noqa: E731
-            self._device_tree(tree), rows, context, self.config.num_blocks, repeats=0, propose=propose)
-        costs = eager_costs.measure(timed, trees, TreeSpec.load("single"), max(buckets))
-        for bucket in buckets:
-            for tree in trees:
-                if self._fits_warmup(bucket, tree):
-                    self.policy.add_cost(bucket, tree, costs.step(bucket, tree))
-            self.policy.add_heads_cost(bucket, costs.heads_at(bucket))
-        self.scheduler.policy = self._measured_tree
-        return {b: self.policy.choose(b).label for b in buckets}
+        return warmup.run(self, context, max_batch, sampling)
 
     def _measured_tree(self, num_decoding: int) -> TreeSpec | None:
         """The measured policy's tree for a step of `num_decoding` sequences (the scheduler's `policy` once warmup
         has run); None past warmup's max_batch, where nothing was timed."""
         bucket = self.runner.decode.bucket(num_decoding)
         return self.policy.choose(bucket) if bucket in self.policy.step_cost else None
-
-    def _capture_sampled_trials(self, buckets: list[int], captured) -> None:
-        """The temperature-only step of every tree timed at each bucket but those `captured(bucket)` (with
-        `_capture_mixed`'s). A bucket's trials and revisits run
-        trees other than its first, and sampled rows accept less than the greedy priors say, so they often
-        settle elsewhere; their greedy graphs are captured by the timing, their sampled ones were not: on an
-        H200 the first run of a level captured 3-10 of them (55-85 ms each), 0.73-0.90x of plain decoding
-        against 1.15-1.41x once captured (benchmarks/RESULTS.md, session 23)."""
-        step = self.runner.decode
-        for bucket in buckets:
-            done = captured(bucket)
-            for tree in self.policy.step_cost[bucket]:
-                if tree.num_nodes > 1 and tree not in done:
-                    step.capture(self._device_tree(tree), bucket, sampling=SAMPLED)
-
-    def _time_trees(self, bucket: int, trees: list[TreeSpec], context: int) -> None:
-        """Give the policy each tree's graph-timed step at this bucket: the fastest of TIMING_ROUNDS rounds
-        that time every tree in turn, so a drift of the GPU's speed lands on all of them (two trees of one
-        tensor-core tile were timed 1% apart by one lease's warmup, 10% apart by another lease's step_parts).
-
-        A plain step that stays plain skips the heads: that is its cost. The variant with heads (a trial's,
-        the step before a revisit, or plain decoding's re-timing step amid speculation) is captured and timed
-        now, not mid-run: the policy charges those steps without the heads' part."""
-        step, fastest = self.runner.decode, {}
-        for _ in range(TIMING_ROUNDS):
-            for tree in trees:
-                plain = tree.num_nodes == 1
-                variants = (False, True) if plain else (True,)  # proposing or not
-                for propose in variants:
-                    seconds = step.time_step(self._device_tree(tree), bucket, context, self.config.num_blocks,
-                                             propose=propose)
-                    fastest[tree, propose] = min(fastest.get((tree, propose), seconds), seconds)
-        for tree in trees:
-            if tree.num_nodes == 1:
-                self.policy.add_cost(bucket, tree, fastest[tree, False])
-                self.policy.add_heads_cost(bucket, fastest[tree, True] - fastest[tree, False])
-            else:
-                self.policy.add_cost(bucket, tree, fastest[tree, True])
-
-    def _fits_warmup(self, bucket: int, tree: TreeSpec) -> bool:
-        """Whether warmup captures (and times) `tree` at this batch bucket: plain steps always, trees while
-        bucket x nodes stays within max_graph_tokens (larger ones would cost warmup more than they return)."""
-        return tree.num_nodes == 1 or bucket * tree.num_nodes <= self.config.max_graph_tokens
-
-    def _capture_mixed(self, buckets: list[int], trees, sampling: bool = False) -> None:
-        """Capture, for each batch bucket, the decode graphs of `trees(bucket)` carrying each prompt token
-        bucket a mixed step may carry: captured at first use, a level's first requests would wait for
-        dozens of captures (session 11, the default model at 32 requests: 19,819 tok/s, then 32,018).
-        With `sampling`, their sampling variants too, with and without prompts (the greedy steps without
-        prompts are captured already, where warmup timed or captured its trees)."""
-        prefill = self.runner.prefill
-        sizes = [b for b in prefill.buckets if b <= self.mixed_prompt_tokens]
-        step = self.runner.decode
-        for bucket in buckets:
-            for tree in trees(bucket):
-                proposals = [self.policy.proposes(bucket, tree)]
-                if tree.num_nodes == 1 and bucket in self.policy.step_cost:
-                    # a timed bucket's plain steps run the heads while it may speculate, not once it settles
-                    # on plain decoding: two graphs of each shape (a GPU test caught the second one captured
-                    # by a sampled request's first steps)
-                    proposals = [True, False]
-                shapes = [(GREEDY, size) for size in sizes]
-                if sampling:  # temperature-only rows: a request filtering by top-k/top-p captures its own
-                    shapes += [(SAMPLED, 0)] + [(SAMPLED, size) for size in sizes]
-                for propose in proposals:
-                    for sampled, size in shapes:
-                        step.capture(self._device_tree(tree), bucket, sampling=sampled, propose=propose,
-                                     prompts=prefill.static_segment(size) if size else None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None or bool(self._first_tokens)

@@ -349,7 +349,7 @@ def test_warmup_captures_sampled_steps_graphs_when_asked(tiny, monkeypatch):
 def test_warmup_times_each_buckets_trees_in_interleaved_rounds_and_keeps_the_fastest(tiny, monkeypatch):
     """Timed once each, one after the other, a drift of the GPU's speed lands on some trees only; each
     tree's first timing here comes out slow, and the policy must see its fastest round."""
-    from medusa.decoding.engine import TIMING_ROUNDS
+    from medusa.decoding.warmup import TIMING_ROUNDS
 
     model, heads = tiny
     engine = make_engine(model, heads, max_num_seqs=1)
