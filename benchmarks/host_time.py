@@ -2,6 +2,7 @@
 
     python benchmarks/host_time.py --out out/host               # plain and Medusa at 64 requests, 3 runs
     python benchmarks/host_time.py --quick --out out/host-quick  # CPU smoke run (CI)
+    python benchmarks/host_time.py --apply-interval 1 4 --out out/host-apply  # tokens applied every step, every 4th
 
 On a GPU the decode step is a graph replay and the host's bookkeeping (scheduling, inputs, appending
 tokens, text, block commits, outputs) is what bounds a small model at many requests. This measures
@@ -39,19 +40,21 @@ from throughput import run_level
 PARTS = {  # label -> (owner attribute path from the engine, method)
     "step": ("", "step"), "schedule": ("scheduler", "schedule"), "prepare": ("runner.decode", "prepare"),
     "forward": ("runner.decode", "forward"), "finish_to_host": ("runner.decode", "finish_to_host"),
-    "apply_rows": ("", "_apply_rows"), "append": ("", "_append"), "output": ("", "_output"),
+    "apply_rows": ("", "_apply_rows"), "apply_steps": ("", "_apply_steps"), "append": ("", "_append"), "output": ("", "_output"),
     "commit": ("blocks", "commit"), "start_decoding": ("", "_start_decoding"),
 }
 
 
-def tiny_engine(mode: str, concurrency: int, tokenizer) -> LLMEngine:
+def tiny_engine(mode: str, concurrency: int, tokenizer, apply_interval: int = 1) -> LLMEngine:
     torch.manual_seed(0)
     config = ModelConfig(model_type="llama", vocab_size=2048, hidden_size=32, intermediate_size=64, num_layers=1,
                          num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
     model = DecoderModel(config).eval()
     heads = MedusaHeads(HeadsConfig(hidden_size=32, vocab_size=2048, num_heads=4)).eval() if mode == "medusa" else None
-    engine = LLMEngine(model, heads, EngineConfig(num_blocks=4096, overlap=True, scheduler=SchedulerConfig(
-        max_num_seqs=concurrency, max_num_batched_tokens=4096)), tokenizer, [])
+    engine = LLMEngine(model, heads, EngineConfig(num_blocks=4096, overlap=True, apply_interval=apply_interval,
+                                                  scheduler=SchedulerConfig(max_num_seqs=concurrency,
+                                                                            max_num_batched_tokens=4096)),
+                       tokenizer, [])
     if heads is not None:  # a 4-node tree every step (no measured policy on a CPU)
         tree = next(t for t in engine.scheduler.trees if t.num_nodes >= 4)
         engine.scheduler.policy = lambda n: tree
@@ -74,8 +77,9 @@ def timed_parts(engine: LLMEngine, totals: Counter) -> None:
         setattr(owner, name, wrapped)
 
 
-def host_level(mode: str, concurrency: int, requests_per_slot: int, max_tokens: int, repeats: int, tokenizer) -> dict:
-    engine = tiny_engine(mode, concurrency, tokenizer)
+def host_level(mode: str, concurrency: int, requests_per_slot: int, max_tokens: int, repeats: int, tokenizer,
+               apply_interval: int = 1) -> dict:
+    engine = tiny_engine(mode, concurrency, tokenizer, apply_interval)
     totals = Counter()
     timed_parts(engine, totals)
     prompts = [[1 + (i % 200), 2, 3, 4 + (i % 7)] * 30 for i in range(requests_per_slot * concurrency)]
@@ -89,7 +93,8 @@ def host_level(mode: str, concurrency: int, requests_per_slot: int, max_tokens: 
         part["host_ms"] = part["step"] - part["forward"] - part["finish_to_host"] + part["prepare"]
         runs.append(part)
     best = {label: min(r[label] for r in runs) for label in runs[0]}
-    return {"mode": mode, "concurrency": concurrency, "ms_per_step": best, "host_ms_runs": [r["host_ms"] for r in runs]}
+    return {"mode": mode, "concurrency": concurrency, "apply_interval": apply_interval, "ms_per_step": best,
+            "host_ms_runs": [r["host_ms"] for r in runs]}
 
 
 def detokenizer_us(tokenizer, tokens: int = 256, rounds: int = 50) -> dict:
@@ -122,6 +127,8 @@ def main() -> None:
     p.add_argument("--requests-per-slot", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--apply-interval", type=int, nargs="+", default=[1],
+                   help="EngineConfig.apply_interval values to time (each mode at each)")
     p.add_argument("--quick", action="store_true", help="8 requests of 16 tokens, 2 runs (CI)")
     args = p.parse_args()
     if args.quick:
@@ -135,8 +142,8 @@ def main() -> None:
     attention = paged_cache.paged_attention_reference
     paged_cache.paged_attention_reference = lambda q, *rest, **kw: q.clone()  # the stub: host work only
     try:
-        levels = [host_level(m, args.concurrency, args.requests_per_slot, args.max_tokens, args.repeats, tokenizer)
-                  for m in args.modes]
+        levels = [host_level(m, args.concurrency, args.requests_per_slot, args.max_tokens, args.repeats, tokenizer, k)
+                  for m in args.modes for k in args.apply_interval]
     finally:
         paged_cache.paged_attention_reference = attention
     result = {"device": "cpu", "levels": levels, "detokenizer_us_per_token": detokenizer_us(tokenizer)}
@@ -145,7 +152,8 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps(result, indent=2))
     for level in levels:
         parts = {k: round(v, 3) for k, v in level["ms_per_step"].items()}
-        print(f"{level['mode']:>6} C={level['concurrency']}: {parts} ms per step (min of {args.repeats})")
+        print(f"{level['mode']:>6} C={level['concurrency']} apply every {level['apply_interval']}: {parts} ms per step "
+              f"(min of {args.repeats})")
     print("detokenizer, us per token:", {k: round(v, 2) for k, v in result["detokenizer_us_per_token"].items()})
 
 

@@ -227,7 +227,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     config = EngineConfig(num_blocks=max(1, args.num_blocks * 16 // args.block_size), block_size=args.block_size,
                           trees=config.trees, scheduler=scheduler,
                           prompt_lookup=args.prompt_lookup, overlap=overlap,
-                          mixed_prompt_tokens=args.mixed_prompt_tokens)
+                          mixed_prompt_tokens=args.mixed_prompt_tokens, apply_interval=args.apply_interval)
     engines = {}  # mode -> (engine, its warmup figures); both stay alive so that their runs can alternate
     for mode, medusa in (("plain", None), ("medusa", heads)):
         engine = LLMEngine(base, medusa, config, tokenizer, eos)
@@ -317,6 +317,9 @@ def main() -> None:
                    help="EngineConfig.overlap=False: no plain step is launched before the last one is read back")
     p.add_argument("--mixed-prompt-tokens", type=int, default=EngineConfig.mixed_prompt_tokens,
                    help="prompt tokens a decode step's forward may carry (0: every prompt chunk in a forward of its own)")
+    p.add_argument("--apply-interval", type=int, default=EngineConfig.apply_interval,
+                   help="EngineConfig.apply_interval: apply the rows' tokens (stops, text, outputs) every this many "
+                        "overlapped steps")
     p.add_argument("--output-kind", default="delta", choices=("delta", "final"),
                    help="SamplingParams.output_kind: text every step (streaming, the default) or once at the end")
     p.add_argument("--heads", default=None, help="heads folder for the default model (default: the shipped heads)")
@@ -338,6 +341,8 @@ def main() -> None:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
     if args.mixed_prompt_tokens < 0:
         p.error(f"--mixed-prompt-tokens must be >= 0, got {args.mixed_prompt_tokens}")
+    if args.apply_interval < 1:
+        p.error(f"--apply-interval must be >= 1, got {args.apply_interval}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.quick:
@@ -359,6 +364,7 @@ def main() -> None:
                                                    "repeats": args.repeats, "heads": args.heads, "output_kind": args.output_kind,
                                                    "overlap": not (args.no_overlap or args.profile_steps),
                                                    "mixed_prompt_tokens": args.mixed_prompt_tokens,
+                                                   "apply_interval": args.apply_interval,
                                                    "block_size": args.block_size, "prompt_order": args.prompt_order,
                                                    "rows": rows}, indent=2))
     plot(rows, out / "throughput.png")

@@ -88,6 +88,13 @@ class EngineConfig:
     # would read them all again (on an 8B model, ~16 GB a step). Bigger chunks get their own forward,
     # where the compute dominates anyway. 0: always their own. Each (batch, tree, token bucket) is a graph
     mixed_prompt_tokens: int = 512
+    # With overlap, apply the rows' tokens (stops, text, block commits, outputs) once every this many steps, each
+    # sequence's tokens of those steps at once: the host's work per row and step, which bounds a small model at
+    # many requests (the default model at 64 requests on an H200: 2.05 ms a plain step against a 1.25 ms graph),
+    # shrinks by nearly this factor. Outputs then come this many steps apart, and a sequence that stopped runs up
+    # to this many - 1 steps more (their tokens dropped). Steps with sampled rows are applied at once (their
+    # seeded noise is uploaded for one step in flight). 1: every step
+    apply_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -98,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"max_graph_tokens must be an integer >= 1, got {self.max_graph_tokens!r}")
         if not isinstance(self.mixed_prompt_tokens, int) or self.mixed_prompt_tokens < 0:
             raise ValueError(f"mixed_prompt_tokens must be an integer >= 0, got {self.mixed_prompt_tokens!r}")
+        if not isinstance(self.apply_interval, int) or isinstance(self.apply_interval, bool) or self.apply_interval < 1:
+            raise ValueError(f"apply_interval must be an integer >= 1, got {self.apply_interval!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         lookup = self.prompt_lookup
@@ -145,6 +154,8 @@ class _InFlight:
     # still in flight, and after no prefill (whose device time, and the admission's sync, would land in it)
     timed: bool
     prompt_hidden: torch.Tensor | None = None  # [P, H] of the prompt chunks its forward carried
+    sampled: bool = False  # a row draws on the device: apply it once read back (EngineConfig.apply_interval)
+    rows: list[list[int]] | None = None  # read back, waiting to be applied with the next ones
 
 
 @dataclass
@@ -178,6 +189,26 @@ def _until_stop_string(request: _Request, tokens: list[int]) -> tuple[list[int],
         if request.detok.stopped:
             return tokens[: i + 1], True
     return tokens, False
+
+
+def _cannot_stop(request: _Request, tokens: list[int]) -> bool:
+    """Whether appending `tokens` surely ends nothing: under max_tokens, no stop token, no stop string to find."""
+    detok = request.detok
+    return (len(tokens) < request.params.max_tokens - len(request.seq.output_token_ids)
+            and request.stop_ids.isdisjoint(tokens) and (detok is None or not detok.stop))
+
+
+def _rows_by_request(flights: list[_InFlight]) -> list[tuple[_Request, list[tuple[int, list[int]]]]]:
+    """(request, [(step index, packed row), ...]) for every request of the read-back steps, in order of first
+    appearance."""
+    grouped: dict[Sequence, tuple[_Request, list[tuple[int, list[int]]]]] = {}
+    for j, flight in enumerate(flights):
+        for request, row in zip(flight.requests, flight.rows):
+            entry = grouped.get(request.seq)
+            if entry is None:
+                entry = grouped[request.seq] = (request, [])
+            entry[1].append((j, row))
+    return list(grouped.values())
 
 
 def _checked_params(params: Any) -> SamplingParams:
@@ -224,7 +255,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, heads, self.blocks, config.num_blocks, config.scheduler.max_num_seqs,
                                   self.max_model_len, max(t.num_nodes for t in trees),
                                   max(t.max_topk for t in device_trees), config.cuda_graphs,
-                                  config.scheduler.max_num_batched_tokens, config.prompt_lookup)
+                                  config.scheduler.max_num_batched_tokens, config.prompt_lookup,
+                                  steps_ahead=config.apply_interval)
         self.eos = set(eos_token_ids) | set(model.config.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -237,6 +269,8 @@ class LLMEngine:
         # saves nothing and delays the rest of a prompt by a step); tests turn it on for the CPU
         self.fill_buckets = self.runner.prefill.use_graphs
         self._inflight: _InFlight | None = None
+        self._pending: list[_InFlight] = []  # read back, not applied yet (at most apply_interval - 1)
+        self.apply_interval = config.apply_interval
         self._first_tokens: list[_FirstTokens] = []  # admissions whose first tokens the host has not read
         self._read_back_time = 0.0  # perf_counter when the last overlapped step's tokens were read back
 
@@ -295,9 +329,10 @@ class LLMEngine:
         for sub in subs:
             self._release_row(self.requests.pop(sub))
             self.scheduler.abort(sub)
-        flight = self._inflight
-        if flight is not None and not any(self.requests.get(r.seq.request_id) is r for r in flight.requests):
+        live = lambda flight: any(self.requests.get(r.seq.request_id) is r for r in flight.requests)  # noqa: E731
+        if self._inflight is not None and not live(self._inflight):
             self._inflight = None  # nothing left to read back: has_unfinished() must not wait for it
+        self._pending = [flight for flight in self._pending if live(flight)]
         return bool(subs)
 
     def stats(self) -> EngineStats:
@@ -334,7 +369,8 @@ class LLMEngine:
         return self.policy.choose(bucket) if bucket in self.policy.step_cost else None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None or bool(self._first_tokens)
+        return (self.scheduler.has_work() or self._inflight is not None or bool(self._pending)
+                or bool(self._first_tokens))
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams()
                  ) -> list[RequestOutput]:
@@ -371,7 +407,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = []
         # a sequence may be preempted only once the host knows all its tokens
-        plan = self.scheduler.schedule(preempt=self._inflight is None and not self._first_tokens)
+        plan = self.scheduler.schedule(preempt=self._inflight is None and not self._pending and not self._first_tokens)
         if plan is None:  # blocks are short while a step is in flight: its tokens first, then preemption
             outputs += self._catch_up()
             plan = self.scheduler.schedule()
@@ -388,7 +424,7 @@ class LLMEngine:
         if overlapped:  # launch, then read the previous step back while the device runs this one
             launched = self._launch(decodes, tree, timed=not prefills, prompts=prompts)
             hidden = launched.prompt_hidden if prompts is not None else hidden
-            outputs += self._catch_up(set(decodes), tree.num_nodes)
+            outputs += self._catch_up(set(decodes), tree.num_nodes, apply_all=False)
             self._inflight = launched
         elif decodes:
             decoded, carried = self._decode(decodes, tree, timed=not prefills, prompts=prompts)
@@ -456,8 +492,9 @@ class LLMEngine:
         most = tree.spec.max_depth + 1
         for seq in seqs:
             seq.num_inflight_tokens += most
+        sampled = not all(request.sampling.greedy for request in requests)
         return _InFlight(requests, tree, padded, propose, result, timed and self._inflight is not None,
-                         part1.prompt_hidden)
+                         part1.prompt_hidden, sampled)
 
     def _forward(self, seqs: list[Sequence], tree: DeviceTree, prompts: PromptSegment | None):
         """Part 1 of a decode step for `seqs` -> (their requests, padded batch, whether it proposes, part 1)."""
@@ -468,12 +505,17 @@ class LLMEngine:
         padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose, prompts)
         return requests, padded, propose, step.forward(tree, padded)
 
-    def _catch_up(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
+    def _catch_up(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0,
+                  apply_all: bool = True) -> list[RequestOutput]:
         """Everything the device decided that the host has not seen: first tokens of admissions, then the
-        overlapped step in flight (`_read_back_inflight`'s arguments)."""
+        overlapped step in flight, read back, and the steps read back before it (`_apply_pending`'s arguments).
+        apply_all=False: the read-back steps wait while fewer than `apply_interval` have gathered."""
         outputs = self._read_first_tokens()
         if self._inflight is not None:
-            outputs += self._read_back_inflight(ahead, ahead_nodes)
+            self._read_back_inflight()
+        pending = self._pending
+        if pending and (apply_all or len(pending) >= self.apply_interval or pending[-1].sampled):
+            outputs += self._apply_pending(ahead, ahead_nodes)
         return outputs
 
     def _read_first_tokens(self) -> list[RequestOutput]:
@@ -498,24 +540,34 @@ class LLMEngine:
                 outputs.append(self._output(request, emitted))
         return outputs
 
-    def _read_back_inflight(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
-        """The overlapped step's tokens, with stops and outputs as in `_decode`. `ahead`: sequences a later
-        step (launched or about to run) writes `ahead_nodes` tree slots for, past this step's tokens."""
+    def _read_back_inflight(self) -> None:
+        """The overlapped step's packed rows to the host (waiting for the step), kept with the steps to apply."""
         flight, self._inflight = self._inflight, None
-        rows = flight.result.tolist()  # waits for the step
-        most = flight.tree.spec.max_depth + 1
-        for request in flight.requests:
-            request.seq.num_inflight_tokens -= most
-        outputs = self._apply_rows(flight.requests, flight.tree, rows, ahead, ahead_nodes)
+        flight.rows = flight.result.tolist()
+        self._pending.append(flight)
+
+    def _apply_pending(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
+        """The read-back steps' tokens, with stops and outputs as in `_decode`. `ahead`: sequences a later
+        step (launched or about to run) writes `ahead_nodes` tree slots for, past these steps' tokens."""
+        flights, self._pending = self._pending, []
+        for flight in flights:
+            most = flight.tree.spec.max_depth + 1
+            for request in flight.requests:
+                request.seq.num_inflight_tokens -= most
+        outputs = self._apply_steps(flights, ahead, ahead_nodes)
         now = time.perf_counter()
-        # Its cost is the time between two read-backs, which a run of overlapped steps reaches from its
-        # second step on. The first one's host work overlaps nothing: timed, a lone plain step (a revisit)
-        # would charge plain decoding the cost of a step without overlap, and speculation would win too often.
-        # One launched after a prefill would be charged the prefill (on an 8B shape, several ms), and with
-        # speculation requests finish, so prompts are admitted, at scattered steps: its revisits, at 8B and
-        # 64 requests, charged plain decoding twice its step (session 9).
-        if flight.padded in self.policy.step_cost and flight.timed:
-            self.policy.observe_step(flight.padded, flight.tree.spec, now - self._read_back_time, flight.propose)
+        # A step's cost is the time between two read-backs, which a run of overlapped steps reaches from its
+        # second step on (for steps applied together, that time shared out). The first one's host work
+        # overlaps nothing: timed, a lone plain step (a revisit) would charge plain decoding the cost of a step
+        # without overlap, and speculation would win too often. One launched after a prefill would be charged
+        # the prefill (on an 8B shape, several ms), and with speculation requests finish, so prompts are
+        # admitted, at scattered steps: its revisits, at 8B and 64 requests, charged plain decoding twice its
+        # step (session 9).
+        if all(flight.timed for flight in flights):
+            each = (now - self._read_back_time) / len(flights)
+            for flight in flights:
+                if flight.padded in self.policy.step_cost:
+                    self.policy.observe_step(flight.padded, flight.tree.spec, each, flight.propose)
         self._read_back_time = now
         return outputs
 
@@ -628,17 +680,60 @@ class LLMEngine:
                 commit(seq, count, ahead_nodes if seq in ahead else 0)
             if not request.quiet or seq.is_finished:  # a quiet request is reported once, finished
                 outputs.append(self._output(request, emitted))
-        self._count_step(tree.spec, counts, from_lookup)
-        if bests and tree.num_nodes > 1:
-            self.policy.observe_subtrees(tree.spec, np.asarray(bests, dtype=np.int64))
+        self._count_step(tree.spec, counts, from_lookup, bests)
         return outputs
 
-    def _count_step(self, spec: TreeSpec, counts: list[int], from_lookup: int = 0) -> None:
+    def _apply_steps(self, flights: list[_InFlight], ahead: set[Sequence] = frozenset(),
+                     ahead_nodes: int = 0) -> list[RequestOutput]:
+        """Several read-back steps at once (`EngineConfig.apply_interval`), as `_apply_rows` would apply them
+        one by one: each step is recorded as it ran, up to the sequence's stop; a sequence's tokens of all of
+        them are appended (one detokenizer call), committed and reported together where nothing among them
+        can stop it, else step by step up to the stop."""
+        if len(flights) == 1:
+            return self._apply_rows(flights[0].requests, flights[0].tree, flights[0].rows, ahead, ahead_nodes)
+        counts = [[] for _ in flights]  # per step: tokens each recorded row emitted, its deepest accepted node
+        bests = [[] for _ in flights]
+        from_lookup = [0] * len(flights)
+        trees = [(f.tree.first_lookup_node, f.tree.num_nodes - 1, f.tree.spec.max_depth) for f in flights]
+        outputs = []
+        for request, rows in _rows_by_request(flights):
+            seq = request.seq
+            if seq.is_finished or self.requests.get(seq.request_id) is not request:
+                continue
+            tokens = [t for _, row in rows for t in row[1:row[0] + 1]]
+            whole = _cannot_stop(request, tokens)
+            emitted = []
+            for j, row in rows:
+                if seq.is_finished:  # stopped in an earlier one of these steps
+                    break
+                first, drafted, depth = trees[j]
+                count = row[0]
+                looked_up = count - 1 if row[-1] >= first else 0
+                _record_step(request.stats, drafted, depth, count, looked_up)
+                counts[j].append(count)
+                bests[j].append(row[-1])
+                from_lookup[j] += looked_up
+                if not whole:
+                    emitted += self._append(request, row[1:count + 1])
+            if whole:
+                emitted = self._append(request, tokens)
+            if not seq.is_finished:  # nothing was cut: every token is kept
+                self.blocks.commit(seq, len(tokens), ahead_nodes if seq in ahead else 0)
+            if not request.quiet or seq.is_finished:
+                outputs.append(self._output(request, emitted))
+        for flight, step_counts, step_bests, looked_up in zip(flights, counts, bests, from_lookup):
+            self._count_step(flight.tree.spec, step_counts, looked_up, step_bests)
+        return outputs
+
+    def _count_step(self, spec: TreeSpec, counts: list[int], from_lookup: int = 0, bests: list[int] = ()) -> None:
         """A decode step's totals, once for the batch: tokens each row emitted (counts), for the policy's
-        acceptance, the engine's statistics and its steps per tree."""
+        acceptance, the engine's statistics and its steps per tree; each row's deepest accepted node (bests),
+        for what the trees inside `spec` would have emitted."""
         self.policy.observe(spec, sum(counts), len(counts))
         _record(self.totals, spec, counts, from_lookup)
         self.steps_per_tree[spec.label] += 1
+        if bests and spec.num_nodes > 1:
+            self.policy.observe_subtrees(spec, np.asarray(bests, dtype=np.int64))
 
     def _verify_on_host(self, requests: list[_Request], tree: DeviceTree, part1) -> None:
         """Verdicts for rows the device rules cannot decide: min_tokens, logprobs, penalties."""
@@ -687,13 +782,12 @@ class LLMEngine:
     def _append(self, request: _Request, tokens: list[int]) -> list[int]:
         """Append up to the first stop condition; finish and free the sequence if one hit. `tokens`: ints."""
         seq, params, detok = request.seq, request.params, request.detok
-        done = len(seq.output_token_ids)
-        if (len(tokens) < params.max_tokens - done and request.stop_ids.isdisjoint(tokens)
-                and (detok is None or not detok.stop)):  # most steps: nothing here can end the sequence
+        if _cannot_stop(request, tokens):  # most steps
             if detok is not None:
                 request.new_text += detok.add(tokens)
             seq.output_token_ids.extend(tokens)
             return tokens
+        done = len(seq.output_token_ids)
         room = max(params.max_tokens - done, 1)  # a token is always kept unless it stops the sequence
         kept = tokens[:room]
         reason = FinishReason.LENGTH if len(tokens) >= room else None

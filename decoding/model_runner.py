@@ -27,13 +27,14 @@ from medusa.model import DecoderModel
 class ModelRunner:
     def __init__(self, model: DecoderModel, heads: MedusaHeads | None, blocks: BlockManager, num_blocks: int,
                  max_seqs: int, max_model_len: int, max_tree: int, kmax: int, use_graphs: bool,
-                 max_prefill_tokens: int = 2048, max_lookup: int = 0) -> None:
+                 max_prefill_tokens: int = 2048, max_lookup: int = 0, steps_ahead: int = 1) -> None:
         self.model, self.blocks = model, blocks
         self.device = model.embed_tokens.weight.device
         self.cache = PagedKVCache(model.config, num_blocks + 1, blocks.block_size, model.embed_tokens.weight.dtype,
                                   self.device)
-        # a step's tree may start past the tokens of a step still in flight (up to a tree's depth + 1 more)
-        max_blocks_per_seq = -(-(max_model_len + 2 * max_tree) // blocks.block_size)
+        # a step's tree may start past the tokens of the steps in flight or read back but not applied yet (up to
+        # `steps_ahead`, each a tree's depth + 1 more), which the host's counters lag behind
+        max_blocks_per_seq = -(-(max_model_len + (steps_ahead + 1) * max_tree) // blocks.block_size)
         self.decode = DecodeStep(model, heads, self.cache, num_blocks * blocks.block_size, max_seqs,
                                  max_blocks_per_seq, max_tree, kmax, use_graphs, max_lookup)
         self.prefill = PrefillGraphs(model, self.cache, max_seqs, max_blocks_per_seq, max_prefill_tokens,

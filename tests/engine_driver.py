@@ -1,5 +1,6 @@
 """Helpers for engine tests: one thread for tiny ops, random prompts, staggered submission."""
 
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -45,15 +46,22 @@ def count_launches(engine) -> list[int]:
 
 
 def force_overlap(request, monkeypatch):
-    """For a fixture parametrized over [False, True]: every LLMEngine built in the test runs with
-    `overlap` set to the parameter, so the CPU checks the overlapped steps' bookkeeping as well."""
-    from medusa.decoding.engine import LLMEngine
+    """For a fixture parametrized over [False, True, k]: every LLMEngine built in the test runs with
+    `overlap` set to the parameter, so the CPU checks the overlapped steps' bookkeeping as well; an
+    integer k >= 2 means overlapped, applying the tokens every k steps (`EngineConfig.apply_interval`)."""
+    from medusa.decoding.engine import EngineConfig, LLMEngine
 
     init = LLMEngine.__init__
+    mode = request.param
 
     def forced(self, *args, **kwargs):
+        if not isinstance(mode, bool):  # the interval is fixed at construction (the block tables' width)
+            args, config = list(args), kwargs.pop("config", None)
+            if len(args) > 2:
+                config = args.pop(2)
+            kwargs["config"] = dataclasses.replace(config or EngineConfig(), apply_interval=mode)
         init(self, *args, **kwargs)
-        self.overlap = request.param
+        self.overlap = bool(mode)
 
     monkeypatch.setattr(LLMEngine, "__init__", forced)
     return request.param

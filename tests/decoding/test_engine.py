@@ -15,7 +15,7 @@ from tiny_models import tiny_decoder
 VOCAB = 24
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+@pytest.fixture(autouse=True, params=[False, True, 3], ids=["sync", "overlap", "apply-every-3"])
 def overlap(request, monkeypatch):
     return force_overlap(request, monkeypatch)
 

@@ -25,9 +25,11 @@ def tiny():
         yield tiny_decoder(VOCAB, logit_scale=3, num_heads=4)
 
 
-def engine_for(model, heads, overlap, num_blocks=256, block_size=4, alternate=False, caching=True, **sched):
+def engine_for(model, heads, overlap, num_blocks=256, block_size=4, alternate=False, caching=True, apply_interval=1,
+               **sched):
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, overlap=overlap,
-                          enable_prefix_caching=caching, scheduler=SchedulerConfig(**sched))
+                          enable_prefix_caching=caching, scheduler=SchedulerConfig(**sched),
+                          apply_interval=apply_interval)
     engine = LLMEngine(model, heads, config)
     if alternate:  # two plain steps, then a speculative one, its tree growing: tree sizes change mid-flight
         plain = TreeSpec.load("single")
@@ -154,14 +156,16 @@ def test_first_tokens_read_a_step_late_stop_and_abort_as_synchronous_ones(tiny):
     assert not engine._first_tokens and engine.runner.decode.rows_in_use == 0
 
 
+@pytest.mark.parametrize("interval", [1, 3], ids=["apply-every-step", "apply-every-3"])
 @pytest.mark.parametrize("heads_on", [False, True], ids=["plain", "trees"])
-def test_short_blocks_read_the_step_back_before_preempting(tiny, heads_on):
-    """When the pool cannot back the in-flight tokens, the engine reads the step back and schedules again,
-    preempting only then: no sequence loses its KV while a step still writes it."""
+def test_short_blocks_read_the_step_back_before_preempting(tiny, heads_on, interval):
+    """When the pool cannot back the in-flight tokens, the engine reads the step back (and applies the steps
+    read back before it) and schedules again, preempting only then: no sequence loses its KV while a step
+    still writes it."""
     model, heads = tiny
     ps = random_prompts(8, VOCAB, 30, seed=7)
     engine = engine_for(model, heads if heads_on else None, True, num_blocks=24, caching=False,
-                        max_num_batched_tokens=128)
+                        max_num_batched_tokens=128, apply_interval=interval)
     refused, preempted = [], []
     schedule = engine.scheduler.schedule
 
@@ -169,7 +173,7 @@ def test_short_blocks_read_the_step_back_before_preempting(tiny, heads_on):
         plan = schedule(preempt=preempt)
         refused.append(plan is None)
         if plan is not None and plan.preempted:
-            preempted.append(engine._inflight is None)
+            preempted.append(engine._inflight is None and not engine._pending)
         return plan
 
     engine.scheduler.schedule = spy
@@ -181,14 +185,15 @@ def test_short_blocks_read_the_step_back_before_preempting(tiny, heads_on):
     assert not engine.scheduler.waiting and not engine.scheduler.running
 
 
-def test_aborts_with_steps_in_flight(tiny):
+@pytest.mark.parametrize("interval", [1, 3], ids=["apply-every-step", "apply-every-3"])
+def test_aborts_with_steps_in_flight(tiny, interval):
     model, _ = tiny
     ps = random_prompts(8, VOCAB, 30, seed=7)
-    engine = engine_for(model, None, True)
+    engine = engine_for(model, None, True, apply_interval=interval)
     ids = [engine.add_request(p, SamplingParams(max_tokens=30)) for p in ps[:4]]
     for _ in range(4):
         engine.step()
-    assert engine._inflight is not None
+    assert engine._inflight is not None and bool(engine._pending) == (interval == 3)  # read back, not applied
     assert engine.abort(ids[0]) and engine.abort(ids[2])
     finals = {}
     while engine.has_unfinished():
@@ -256,3 +261,69 @@ def test_steps_sharing_their_time_with_a_prefill_teach_the_policy_nothing(tiny):
         assert len(done) == 12 and len(prefilled) >= 12 and len(timed) > 10
         launched_in = [i - 1 for i in timed] if overlap else timed  # the engine step each timed step ran in
         assert not prefilled & set(launched_in), overlap
+
+
+def fixed_tree_engine(model, heads, interval):
+    """Every step verifies the largest tree, whatever the batch: each row's acceptances are then its own."""
+    engine = engine_for(model, heads, True, apply_interval=interval)
+    tree = max(engine.scheduler.trees, key=lambda t: t.num_nodes)
+    engine.scheduler.policy = lambda n: tree
+    return engine
+
+
+def test_tokens_applied_every_three_steps_are_those_of_every_step(tiny):
+    """EngineConfig.apply_interval=3: read-back steps wait until three have gathered, then each sequence's
+    tokens of all of them are appended at once (step by step where a stop token, min_tokens or max_tokens may
+    end it among them). Outputs, finish reasons, each request's statistics (every step recorded as it ran,
+    none after its stop) and the freed pool equal those of applying every step; outputs come only from the
+    applying steps, each with the tokens of up to three steps."""
+    model, heads = tiny
+    ps = random_prompts(10, VOCAB, 30, seed=41)
+    frees = [batch1(model, p, 20) for p in ps]
+    params = [SamplingParams(max_tokens=20, stop_token_ids=(f[7],)) if i % 3 == 0 else
+              SamplingParams(max_tokens=2 + 2 * i) if i % 3 == 1 else
+              SamplingParams(max_tokens=20, min_tokens=10, stop_token_ids=(f[4],)) for i, f in enumerate(frees)]
+    finals, gathered, reporting = {}, {}, {}
+    for interval in (1, 3):
+        engine = fixed_tree_engine(model, heads, interval)
+        sizes = gathered[interval] = []
+        apply = engine._apply_pending
+        engine._apply_pending = lambda *a: sizes.append(len(engine._pending)) or apply(*a)
+        ids = [engine.add_request(p, sp) for p, sp in zip(ps, params)]
+        done, steps_reporting = {}, 0
+        while engine.has_unfinished():
+            outs = engine.step()
+            steps_reporting += any(out.new_token_ids for out in outs)
+            done.update({out.request_id: out for out in outs if out.finished})
+        finals[interval] = [done[rid] for rid in ids]
+        reporting[interval] = steps_reporting
+        assert not engine._pending and engine._inflight is None
+        assert engine.blocks.num_free_blocks == 256 and not engine.blocks.ref_counts.any()
+        engine.blocks.check_invariants()
+    every, third = finals[1], finals[3]
+    for i, (a, b) in enumerate(zip(every, third)):
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason), i
+        assert b.stats == a.stats, i  # the same steps, each with what it accepted
+    assert every[1].finish_reason == "length" and every[0].finish_reason == "stop"
+    assert len(every[2].token_ids) >= 10 and frees[2][4] not in every[2].token_ids[:10]  # banned until min_tokens
+    assert max(gathered[3]) == 3 and set(gathered[1]) == {1}
+    assert reporting[3] < reporting[1]  # (steps with a min_tokens row need the host: those apply at once)
+
+
+def test_steps_with_sampled_rows_are_applied_when_read_back(tiny):
+    """A sampled row's seeded noise is uploaded for one step in flight, so a step with one is applied at
+    once, with the greedy steps gathered before it: seeded draws equal those of applying every step."""
+    model, heads = tiny
+    ps = random_prompts(6, VOCAB, 30, seed=43)
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.9, seed=50 + i) if i % 2 else
+              SamplingParams(max_tokens=10 + 3 * i) for i in range(6)]
+    runs = []
+    for interval in (1, 3):
+        engine = fixed_tree_engine(model, heads, interval)
+        waited = []
+        read = engine._read_back_inflight
+        engine._read_back_inflight = lambda: read() or waited.append([f.sampled for f in engine._pending])
+        runs.append([o.token_ids for o in engine.generate(ps, params)])
+        assert not any(any(flags[:-1]) for flags in waited)  # only the step just read back may sample
+    assert runs[0] == runs[1]
+

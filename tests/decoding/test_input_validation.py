@@ -38,6 +38,9 @@ def test_sampling_params_accept_what_clients_send():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(trees=()), "trees is empty"),
     (dict(max_graph_tokens=0), "max_graph_tokens must be an integer >= 1, got 0"),
+    (dict(apply_interval=0), "apply_interval must be an integer >= 1, got 0"),
+    (dict(apply_interval=True), "apply_interval must be an integer >= 1, got True"),
+    (dict(apply_interval=2.0), "apply_interval must be an integer >= 1, got 2.0"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
