@@ -121,7 +121,7 @@ def batch_buckets(max_seqs: int) -> list[int]:
 class DecodeStep:
     def __init__(self, model: DecoderModel, heads: MedusaHeads | None, cache: PagedKVCache, scratch_slot: int,
                  max_seqs: int, max_blocks_per_seq: int, max_tree: int, kmax: int, use_graphs: bool,
-                 max_lookup: int = 0) -> None:
+                 max_lookup: int = 0, steps_ahead: int = 1) -> None:
         self.model, self.heads, self.cache = model, heads, cache
         self.device = model.embed_tokens.weight.device
         self.scratch_slot, self.max_seqs, self.kmax = scratch_slot, max_seqs, kmax
@@ -163,7 +163,8 @@ class DecodeStep:
         self.top_k = torch.zeros(max_seqs, **long)
         self.top_p = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
         # [B, M + D + 1 ...] from the host's output count on; a row's step picks its window at the device's
-        self.uniforms = torch.zeros(max_seqs, 2 * max_tree, dtype=torch.float64, device=self.device)
+        # count, up to `steps_ahead` steps (each up to a tree's depth + 1 tokens) past the host's
+        self.uniforms = torch.zeros(max_seqs, (steps_ahead + 1) * max_tree, dtype=torch.float64, device=self.device)
         self.sampling_step = GREEDY  # the prepared step's sampling kind (graphs of their own)
         self.propose_step = True  # whether the prepared step runs the heads for the next one
         self.kv_bound: int | None = None  # the prepared step's max_kv_len (`kv_len_bound`)

@@ -92,8 +92,8 @@ class EngineConfig:
     # sequence's tokens of those steps at once: the host's work per row and step, which bounds a small model at
     # many requests (the default model at 64 requests on an H200: 2.05 ms a plain step against a 1.25 ms graph),
     # shrinks by nearly this factor. Outputs then come this many steps apart, and a sequence that stopped runs up
-    # to this many - 1 steps more (their tokens dropped). Steps with sampled rows are applied at once (their
-    # seeded noise is uploaded for one step in flight). 1: every step
+    # to this many - 1 steps more (their tokens dropped). Steps with rows the host verifies (logprobs, penalties,
+    # min_tokens) apply at once. 1: every step
     apply_interval: int = 1
 
     def __post_init__(self) -> None:
@@ -154,7 +154,6 @@ class _InFlight:
     # still in flight, and after no prefill (whose device time, and the admission's sync, would land in it)
     timed: bool
     prompt_hidden: torch.Tensor | None = None  # [P, H] of the prompt chunks its forward carried
-    sampled: bool = False  # a row draws on the device: apply it once read back (EngineConfig.apply_interval)
     rows: list[list[int]] | None = None  # read back, waiting to be applied with the next ones
 
 
@@ -492,9 +491,8 @@ class LLMEngine:
         most = tree.spec.max_depth + 1
         for seq in seqs:
             seq.num_inflight_tokens += most
-        sampled = not all(request.sampling.greedy for request in requests)
         return _InFlight(requests, tree, padded, propose, result, timed and self._inflight is not None,
-                         part1.prompt_hidden, sampled)
+                         part1.prompt_hidden)
 
     def _forward(self, seqs: list[Sequence], tree: DeviceTree, prompts: PromptSegment | None):
         """Part 1 of a decode step for `seqs` -> (their requests, padded batch, whether it proposes, part 1)."""
@@ -514,7 +512,7 @@ class LLMEngine:
         if self._inflight is not None:
             self._read_back_inflight()
         pending = self._pending
-        if pending and (apply_all or len(pending) >= self.apply_interval or pending[-1].sampled):
+        if pending and (apply_all or len(pending) >= self.apply_interval):
             outputs += self._apply_pending(ahead, ahead_nodes)
         return outputs
 

@@ -36,7 +36,7 @@ class ModelRunner:
         # `steps_ahead`, each a tree's depth + 1 more), which the host's counters lag behind
         max_blocks_per_seq = -(-(max_model_len + (steps_ahead + 1) * max_tree) // blocks.block_size)
         self.decode = DecodeStep(model, heads, self.cache, num_blocks * blocks.block_size, max_seqs,
-                                 max_blocks_per_seq, max_tree, kmax, use_graphs, max_lookup)
+                                 max_blocks_per_seq, max_tree, kmax, use_graphs, max_lookup, steps_ahead)
         self.prefill = PrefillGraphs(model, self.cache, max_seqs, max_blocks_per_seq, max_prefill_tokens,
                                      self.decode.use_graphs, self.decode.pool)
 

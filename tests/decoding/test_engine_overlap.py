@@ -26,10 +26,10 @@ def tiny():
 
 
 def engine_for(model, heads, overlap, num_blocks=256, block_size=4, alternate=False, caching=True, apply_interval=1,
-               **sched):
+               trees=EngineConfig.trees, **sched):
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, overlap=overlap,
                           enable_prefix_caching=caching, scheduler=SchedulerConfig(**sched),
-                          apply_interval=apply_interval)
+                          apply_interval=apply_interval, trees=trees)
     engine = LLMEngine(model, heads, config)
     if alternate:  # two plain steps, then a speculative one, its tree growing: tree sizes change mid-flight
         plain = TreeSpec.load("single")
@@ -263,9 +263,9 @@ def test_steps_sharing_their_time_with_a_prefill_teach_the_policy_nothing(tiny):
         assert not prefilled & set(launched_in), overlap
 
 
-def fixed_tree_engine(model, heads, interval):
+def fixed_tree_engine(model, heads, interval, trees=EngineConfig.trees):
     """Every step verifies the largest tree, whatever the batch: each row's acceptances are then its own."""
-    engine = engine_for(model, heads, True, apply_interval=interval)
+    engine = engine_for(model, heads, True, apply_interval=interval, trees=trees)
     tree = max(engine.scheduler.trees, key=lambda t: t.num_nodes)
     engine.scheduler.policy = lambda n: tree
     return engine
@@ -310,20 +310,31 @@ def test_tokens_applied_every_three_steps_are_those_of_every_step(tiny):
     assert reporting[3] < reporting[1]  # (steps with a min_tokens row need the host: those apply at once)
 
 
-def test_steps_with_sampled_rows_are_applied_when_read_back(tiny):
-    """A sampled row's seeded noise is uploaded for one step in flight, so a step with one is applied at
-    once, with the greedy steps gathered before it: seeded draws equal those of applying every step."""
+def test_sampled_rows_gathered_over_three_steps_draw_as_every_step(tiny):
+    """Seeded sampled rows on the device gather like greedy ones: each row's uniforms are uploaded from the
+    host's output count for as many steps as may be read back but not applied, so every draw keys the same
+    (seed, position) noise and the tokens equal those of applying every step. A chain verifies as many tokens
+    a step as it has nodes, the most a tree of its size can move a row ahead."""
     model, heads = tiny
     ps = random_prompts(6, VOCAB, 30, seed=43)
-    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.9, seed=50 + i) if i % 2 else
-              SamplingParams(max_tokens=10 + 3 * i) for i in range(6)]
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.9, seed=50 + i, top_k=8 if i == 3 else 0)
+              if i % 2 else SamplingParams(max_tokens=10 + 3 * i) for i in range(6)]
     runs = []
     for interval in (1, 3):
-        engine = fixed_tree_engine(model, heads, interval)
-        waited = []
-        read = engine._read_back_inflight
-        engine._read_back_inflight = lambda: read() or waited.append([f.sampled for f in engine._pending])
-        runs.append([o.token_ids for o in engine.generate(ps, params)])
-        assert not any(any(flags[:-1]) for flags in waited)  # only the step just read back may sample
-    assert runs[0] == runs[1]
+        engine = fixed_tree_engine(model, heads, interval, trees=("single", "chain-4"))
+        largest = max(t.num_nodes for t in engine.scheduler.trees)
+        assert engine.runner.decode.uniforms.shape[1] == (interval + 1) * largest
+        sizes, reaches = [], []
+        apply, row_sampling = engine._apply_pending, engine._row_sampling
+        engine._apply_pending = lambda *a: sizes.append(len(engine._pending)) or apply(*a)
 
+        def sampling(request, tree):  # the furthest column a draw of this row's step can read
+            if tree is not None and not request.sampling.greedy:
+                reaches.append(request.seq.num_inflight_tokens + tree.spec.max_depth + 1)
+            return row_sampling(request, tree)
+
+        engine._row_sampling = sampling
+        runs.append([o.token_ids for o in engine.generate(ps, params)])
+        assert max(sizes) == interval
+        assert max(reaches) == (interval + 1) * largest <= engine.runner.decode.uniforms.shape[1]
+    assert runs[0] == runs[1]
