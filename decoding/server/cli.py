@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="share of the GPU memory left free by the weights that the KV caches may take; "
                         "split between the plain and the Medusa engine")
+    p.add_argument("--apply-interval", type=int, default=1,
+                   help="apply the rows' tokens (stops, text, outputs) every this many decode steps, each stream's at "
+                        "once: less host work per step at many requests, outputs this many steps apart (default: 1)")
     p.add_argument("--device", default=None)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -51,8 +54,9 @@ def serve(args: argparse.Namespace) -> int:
     from medusa.default_model import DEFAULT_MODEL_NAME
     from medusa.medusa_model import MedusaModel
 
-    if args.max_num_seqs < 1 or args.max_waiting < 1 or (args.num_kv_blocks is not None and args.num_kv_blocks < 1):
-        raise ValueError("--max-num-seqs, --max-waiting and --num-kv-blocks must be >= 1")
+    if args.max_num_seqs < 1 or args.max_waiting < 1 or args.apply_interval < 1 or (
+            args.num_kv_blocks is not None and args.num_kv_blocks < 1):
+        raise ValueError("--max-num-seqs, --max-waiting, --apply-interval and --num-kv-blocks must be >= 1")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -69,7 +73,7 @@ def serve(args: argparse.Namespace) -> int:
         args.max_num_seqs, args.block_size)
     app = build_app(model, name, api_key=args.api_key, max_waiting=args.max_waiting,
                     engine_config=EngineConfig(num_blocks=num_blocks, block_size=args.block_size, scheduler=scheduler,
-                                               prompt_lookup=model.prompt_lookup))
+                                               prompt_lookup=model.prompt_lookup, apply_interval=args.apply_interval))
     print(f"[medusa serve: '{name}' loaded in {time.perf_counter() - start:.1f}s on "
           f"{model.base.embed_tokens.weight.device}; heads: {'yes' if model.heads is not None else 'none'}; "
           f"prompt lookup: {model.prompt_lookup} nodes; "

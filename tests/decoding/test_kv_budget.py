@@ -39,6 +39,7 @@ def test_on_the_cpu_the_pool_stays_small():
 
 @pytest.mark.parametrize("flag,value,message", [("--gpu-memory-utilization", "0", r"\(0, 1\], got 0.0"),
                                                 ("--num-kv-blocks", "0", "--num-kv-blocks must be >= 1"),
+                                                ("--apply-interval", "0", "--apply-interval and --num-kv-blocks must"),
                                                 ("--port", "-5", r"--port must be in \[0, 65535\], got -5")])
 def test_serve_names_a_bad_memory_setting(flag, value, message):
     parser = argparse.ArgumentParser()
