@@ -18,7 +18,9 @@ With overlap (`EngineConfig.overlap`, on with CUDA graphs) a step is launched be
 one is read back, and an admission waits for nothing either: a request's first token is
 decided on the device (argmax, or a draw for a sampled one), where the next step's tree starts from it,
 and reaches the host with the next step (`_FirstTokens`); only an admission with host work (logprobs,
-penalties, min_tokens) reads it at once.
+penalties, min_tokens) reads it at once. With `apply_interval=k` the steps read back gather until k have,
+and each sequence's tokens of all of them are applied at once (`_apply_steps`): the host's counters then lag
+the device by up to k steps, which the blocks back as they back a step in flight.
 
 With `prompt_lookup=L`, every speculative tree also carries a chain of L nodes
 whose tokens copy what followed the latest earlier occurrence of the sequence's
