@@ -671,7 +671,7 @@ class LLMEngine:
             if seq.is_finished or live.get(seq.request_id) is not request:
                 continue
             looked_up = count - 1 if row[-1] >= first else 0
-            _record_step(request.stats, drafted, depth, count, looked_up)
+            request.stats.record_step(drafted, depth, count, looked_up)
             counts.append(count)
             bests.append(row[-1])
             from_lookup += looked_up
@@ -709,7 +709,7 @@ class LLMEngine:
                 first, drafted, depth = trees[j]
                 count = row[0]
                 looked_up = count - 1 if row[-1] >= first else 0
-                _record_step(request.stats, drafted, depth, count, looked_up)
+                request.stats.record_step(drafted, depth, count, looked_up)
                 counts[j].append(count)
                 bests[j].append(row[-1])
                 from_lookup[j] += looked_up
@@ -730,7 +730,7 @@ class LLMEngine:
         acceptance, the engine's statistics and its steps per tree; each row's deepest accepted node (bests),
         for what the trees inside `spec` would have emitted."""
         self.policy.observe(spec, sum(counts), len(counts))
-        _record(self.totals, spec, counts, from_lookup)
+        self.totals.record_steps(spec.num_nodes - 1, spec.max_depth, counts, from_lookup)
         self.steps_per_tree[spec.label] += 1
         if bests and spec.num_nodes > 1:
             self.policy.observe_subtrees(spec, np.asarray(bests, dtype=np.int64))
@@ -880,36 +880,6 @@ def _with_lookup(trees: list[TreeSpec], length: int) -> list[TreeSpec]:
     if not length:
         return trees
     return list(dict.fromkeys(t.with_lookup(length) if t.num_nodes > 1 else t for t in trees))
-
-
-def _record_step(stats: RequestStats, drafted: int, max_depth: int, count: int, from_lookup: int = 0) -> None:
-    """One sequence's verification step: `drafted` tree tokens (max_depth deep), `count` tokens emitted,
-    `from_lookup` of whose drafts came through the prompt-lookup chain."""
-    stats.steps += 1
-    stats.drafted_tokens += drafted
-    stats.accepted_tokens += count - 1
-    stats.accepted_from_lookup += from_lookup
-    stats.accepted_lengths.append(count)
-    per_depth = stats.accepted_per_depth
-    if len(per_depth) < max_depth:
-        per_depth += [0] * (max_depth - len(per_depth))
-    for depth in range(count - 1):
-        per_depth[depth] += 1
-
-
-def _record(stats: RequestStats, tree: TreeSpec, counts: list[int], from_lookup: int = 0) -> None:
-    """Count verification steps of `tree` that emitted counts[i] tokens (1 + accepted drafts) each,
-    `from_lookup` drafts through the lookup chain in all; accepted_lengths stays as it is (the
-    engine's totals keep none)."""
-    stats.steps += len(counts)
-    stats.drafted_tokens += (tree.num_nodes - 1) * len(counts)
-    stats.accepted_tokens += sum(counts) - len(counts)
-    stats.accepted_from_lookup += from_lookup
-    missing = tree.max_depth - len(stats.accepted_per_depth)
-    stats.accepted_per_depth += [0] * max(missing, 0)
-    for count, rows in Counter(counts).items():  # a handful of distinct counts, not one loop per row
-        for depth in range(count - 1):
-            stats.accepted_per_depth[depth] += rows
 
 
 def stream(engine: LLMEngine, prompt: str | Seq[int], params: SamplingParams = SamplingParams()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -18,6 +19,35 @@ class RequestStats:
     @property
     def mean_accepted_length(self) -> float:
         return 1 + self.accepted_tokens / self.steps if self.steps else 0.0
+
+    def record_step(self, drafted: int, max_depth: int, count: int, from_lookup: int = 0) -> None:
+        """One sequence's verification step: `drafted` tree tokens (max_depth deep), `count` tokens emitted,
+        `from_lookup` of whose drafts came through the prompt-lookup chain."""
+        self.steps += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += count - 1
+        self.accepted_from_lookup += from_lookup
+        self.accepted_lengths.append(count)
+        per_depth = self.accepted_per_depth
+        if len(per_depth) < max_depth:
+            per_depth += [0] * (max_depth - len(per_depth))
+        for depth in range(count - 1):
+            per_depth[depth] += 1
+
+    def record_steps(self, drafted: int, max_depth: int, counts: list[int], from_lookup: int = 0) -> None:
+        """Verification steps of one tree (`drafted` tokens, max_depth deep) that emitted counts[i] tokens
+        (1 + accepted drafts) each, `from_lookup` drafts through the lookup chain in all; accepted_lengths
+        stays as it is (the engine's totals keep none)."""
+        self.steps += len(counts)
+        self.drafted_tokens += drafted * len(counts)
+        self.accepted_tokens += sum(counts) - len(counts)
+        self.accepted_from_lookup += from_lookup
+        per_depth = self.accepted_per_depth
+        if len(per_depth) < max_depth:
+            per_depth += [0] * (max_depth - len(per_depth))
+        for count, rows in Counter(counts).items():  # a handful of distinct counts, not one loop per row
+            for depth in range(count - 1):
+                per_depth[depth] += rows
 
 
 @dataclass(frozen=True)
