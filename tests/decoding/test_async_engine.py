@@ -24,15 +24,17 @@ def prompts():
     return [torch.randint(24, (n,), generator=g).tolist() for n in (3, 17, 8, 30, 1, 12, 5, 22)]
 
 
-@pytest.mark.parametrize("overlapped", [False, True], ids=["medusa", "plain-overlapped"])
-def test_concurrent_streams_equal_sync_and_disconnect_frees_blocks(tiny, overlapped):
-    """Served: Medusa trees, or plain steps each launched before the last is read back (a GPU's default),
-    whose disconnecting consumers abort requests with a step in flight."""
+@pytest.mark.parametrize("overlapped, interval", [(False, 1), (True, 1), (True, 3)],
+                         ids=["medusa", "plain-overlapped", "medusa-overlapped-apply-every-3"])
+def test_concurrent_streams_equal_sync_and_disconnect_frees_blocks(tiny, overlapped, interval):
+    """Served: Medusa trees, plain steps each launched before the last is read back (a GPU's default),
+    or Medusa steps applied three at a time, whose disconnecting consumers abort requests with steps in
+    flight or read back but not applied."""
     model, heads = tiny
     params = SamplingParams(max_tokens=16)
     expected = LLMEngine(model, heads, EngineConfig(num_blocks=128, block_size=4)).generate(prompts(), params)
-    engine = LLMEngine(model, None if overlapped else heads, EngineConfig(num_blocks=128, block_size=4,
-                                                                          overlap=overlapped))
+    engine = LLMEngine(model, heads if interval > 1 or not overlapped else None,
+                       EngineConfig(num_blocks=128, block_size=4, overlap=overlapped, apply_interval=interval))
     served = AsyncLLMEngine(engine)
 
     async def consume(prompt, leave_after=None):
