@@ -190,7 +190,9 @@ class BlockManager:
                              f"{seq.request_id!r}; append the accepted tokens before commit")
         seq.num_computed_tokens = new
         keep = _ceil_div(new + num_ahead, self.block_size)
-        while len(seq.block_table) > keep:  # rejected tree slots and unused lookahead
+        if len(seq.block_table) > keep:  # rejected tree slots and unused lookahead
+            seq.table_version += 1
+        while len(seq.block_table) > keep:
             self._release(seq.block_table.pop())
         first, last = old // self.block_size, new // self.block_size
         if self.enable_prefix_caching and first < last:  # most steps fill no block: skip the call and the hashing
@@ -202,6 +204,7 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table = []
+        seq.table_version += 1
         seq.num_computed_tokens = 0
 
     # ----------------------------------------------------------------- helpers
@@ -231,6 +234,7 @@ class BlockManager:
     def _take(self, seq: Sequence, num_new_tokens: int, hits: list[int], num_fresh: int) -> int:
         """Carry out a plan that fits the free list (see `allocate`)."""
         end = seq.num_computed_tokens + num_new_tokens
+        seq.table_version += 1
         if not seq.block_table:  # first allocation: the hit (maybe none) is this life's cached prefix
             for block in hits:  # before any fresh block is popped, which could evict a hit
                 self._share(block)

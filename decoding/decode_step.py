@@ -157,6 +157,7 @@ class DecodeStep:
         self.history_len = torch.zeros(max_seqs + 1, **long)  # [R + 1]
         self.tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=self.device)
         self._host_tables = host_buffer((max_seqs, max_blocks_per_seq), torch.int32, self.device)
+        self._table_rows: list[tuple | None] = [None] * max_seqs  # (sequence, its table_version) in each host row
         self.causal = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)  # [B] 0: every row is a tree
         self.sampled = torch.zeros(max_seqs, dtype=torch.bool, device=self.device)  # [B] row samples
         self.temperature = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
@@ -265,7 +266,8 @@ class DecodeStep:
         # padding rows: block 0, whose first tree-size slots their queries read (real KV, finite: their
         # own tokens' KV goes to the scratch slot) and whose results nothing uses
         tables[b:] = 0
-        tables[:b] = blocks.block_tables(seqs, self.tables.shape[1])
+        self._table_rows[b:padded] = [None] * (padded - b)
+        self._write_tables(seqs)
         # padding rows b..padded: the padding state row (no KV), their own n tokens as queries (so that every
         # step token belongs to a sequence and prompt chunks carried after them start at Bp * N), the
         # scratch slot
@@ -284,6 +286,24 @@ class DecodeStep:
             self._uploaded.record()
         self._prepare_sampling(sampling or [], padded)
         return padded
+
+    def _write_tables(self, seqs: list) -> None:
+        """The host block-table rows of `seqs`, rewriting only those whose sequence or table changed since
+        they were written (`Sequence.table_version`): a table changes about once per block_size tokens, and
+        rebuilding every row every step took 88 / 218 us at 64 rows of 16 / 128 blocks (2-core CPU)."""
+        tables, written = self._host_tables, self._table_rows
+        width = tables.shape[1]
+        for i, seq in enumerate(seqs):
+            mark = written[i]
+            if mark is not None and mark[0] is seq and mark[1] == seq.table_version:
+                continue
+            table = seq.block_table
+            if len(table) > width:
+                raise ValueError(f"request {seq.request_id!r} holds {len(table)} blocks, more than the {width} "
+                                 "a row has")
+            tables[i, :len(table)] = table
+            tables[i, len(table):] = 0
+            written[i] = (seq, seq.table_version)
 
     def _prepare_sampling(self, sampling: list[RowSampling | None], padded: int) -> None:
         drawn = [r for r in sampling if r is not None]

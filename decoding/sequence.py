@@ -50,6 +50,8 @@ class Sequence:
     num_inflight_tokens: the most tokens that decode steps launched but not yet read back may
         add (their trees' depths + 1). The device already places the next tree past them, so the
         blocks must back them; the counters and token lists above lag them until the read-back.
+    table_version: bumped by the BlockManager whenever `block_table` changes, so a decode step's
+        input tables rewrite only the rows whose tables did.
     """
 
     request_id: str
@@ -59,6 +61,7 @@ class Sequence:
     num_cached_prefix_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_inflight_tokens: int = 0
+    table_version: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)

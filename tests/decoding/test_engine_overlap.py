@@ -338,3 +338,33 @@ def test_sampled_rows_gathered_over_three_steps_draw_as_every_step(tiny):
         assert max(sizes) == interval
         assert max(reaches) == (interval + 1) * largest <= engine.runner.decode.uniforms.shape[1]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("interval", [1, 3], ids=["apply-every-step", "apply-every-3"])
+def test_step_tables_rewrite_only_changed_rows_yet_match_the_block_manager(tiny, interval):
+    """A decode step's host block tables keep the rows whose sequence and table are those of the last step
+    (`Sequence.table_version`) and rewrite the others: after every step's prepare they equal the block
+    manager's tables, through admissions, finishes, preemptions (a pool too small for the load) and steps
+    that release rejected tree blocks and take new ones."""
+    model, heads = tiny
+    ps = random_prompts(10, VOCAB, 30, seed=17)
+    engine = engine_for(model, heads, True, num_blocks=40, alternate=True, apply_interval=interval,
+                        max_num_batched_tokens=128)
+    step, blocks = engine.runner.decode, engine.blocks
+    prepare, kept, preempted = step.prepare, [], []
+    free = blocks.free
+    blocks.free = lambda seq: preempted.append(seq.is_finished is False and bool(seq.block_table)) or free(seq)
+
+    def checked(seqs, *args, **kwargs):
+        before = list(step._table_rows[:len(seqs)])
+        padded = prepare(seqs, *args, **kwargs)
+        assert (step._host_tables[:len(seqs)] == blocks.block_tables(seqs, step.tables.shape[1])).all()
+        assert not step._host_tables[len(seqs):padded].any()
+        kept.extend(a is b for a, b in zip(before, step._table_rows))
+        return padded
+
+    step.prepare = checked
+    done = run_staggered(engine, ps, [SamplingParams(max_tokens=20)] * 10)
+    for i, p in enumerate(ps):
+        assert done[i].token_ids == batch1(model, p, 20), i
+    assert any(preempted) and 0.2 < sum(kept) / len(kept) < 1  # rows were kept, and rewritten
