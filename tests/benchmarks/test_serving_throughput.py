@@ -98,19 +98,21 @@ def test_throughput_quick_with_seeded_sampled_requests(tmp_path):
 
 def test_throughput_rejects_a_negative_temperature_or_request_count(tmp_path):
     for flag, value, message in (("--temperature", "-1", "--temperature must be >= 0, got -1.0"),
-                                 ("--min-requests", "-2", "--min-requests must be >= 0, got -2")):
+                                 ("--min-requests", "-2", "--min-requests must be >= 0, got -2"),
+                                 ("--apply-interval", "0", "--apply-interval must be >= 1, got 0")):
         done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--out",
                                str(tmp_path), flag, value], cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 2 and message in done.stderr
 
 
 def test_host_time_quick(default_model_dir, tmp_path):
-    results = run("host_time.py", tmp_path)
-    assert [level["mode"] for level in results["levels"]] == ["plain", "medusa"]
+    results = run("host_time.py", tmp_path, "--apply-interval", "1", "2")
+    levels = [(level["mode"], level["apply_interval"]) for level in results["levels"]]
+    assert levels == [("plain", 1), ("plain", 2), ("medusa", 1), ("medusa", 2)]
     for level in results["levels"]:
         parts = level["ms_per_step"]
         assert len(level["host_ms_runs"]) == 2 and parts["host_ms"] == min(level["host_ms_runs"])
-        assert 0 < parts["schedule"] < parts["step"] and 0 < parts["append"] < parts["apply_rows"] < parts["step"]
+        assert 0 < parts["schedule"] < parts["step"] and 0 < parts["append"] < parts["apply_steps"] < parts["step"]
         assert parts["start_decoding"] > 0  # requests were admitted
     detok = results["detokenizer_us_per_token"]
     assert set(detok) == {"stream", "window_rust", "window_transformers"} and min(detok.values()) > 0
