@@ -145,7 +145,7 @@ class _Request:
 
 @dataclass
 class _InFlight:
-    """An overlapped decode step, launched but not yet read back."""
+    """An overlapped decode step, launched but not yet read back (or read back, its rows not yet applied)."""
 
     requests: list[_Request]
     tree: DeviceTree
