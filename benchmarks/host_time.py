@@ -12,9 +12,9 @@ a closed loop of C requests. Each part of a step is timed by wrapping its method
 less the model's forward and verification (`forward`, `finish_to_host`), plus `prepare` (inputs), the
 part a GPU host would still do. The minimum over --repeats runs is reported (other processes only add).
 
-It also times the streaming detokenizer per token on the default tokenizer, by each text source:
-`DecodeStream`, the windowed Rust decode, and the window through transformers' Python `decode` (what
-the engine used on the GPU machine before session 12). Writes results.json.
+It also times the streaming detokenizer per token on the default tokenizer, by each text source: the
+byte table (`ByteText`), `DecodeStream`, the windowed Rust decode, and the window through transformers'
+Python `decode` (what the engine used on the GPU machine before session 12). Writes results.json.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+import medusa.decoding.byte_level as byte_level
 import medusa.decoding.detokenizer as detokenizer
 import medusa.decoding.paged_cache as paged_cache
 from medusa.config import ModelConfig
@@ -100,11 +101,13 @@ def host_level(mode: str, concurrency: int, requests_per_slot: int, max_tokens: 
 def detokenizer_us(tokenizer, tokens: int = 256, rounds: int = 50) -> dict:
     """Microseconds per streamed token (one token a step, no stop strings), by text source."""
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 40, add_special_tokens=False)[:tokens]
-    sources = {"stream": detokenizer._text_source, "window_rust": detokenizer.WindowText}
-    cleans = detokenizer._cleans_up_spaces
+    source, table, cleans = detokenizer._text_source, byte_level.byte_table, detokenizer._cleans_up_spaces
     result = {}
-    for name in ("stream", "window_rust", "window_transformers"):
-        detokenizer._text_source = sources.get(name, detokenizer.WindowText)
+    for name in ("bytes", "stream", "window_rust", "window_transformers"):
+        if name != "bytes":  # as for a tokenizer that is not byte-level
+            byte_level.byte_table = lambda tok: None
+        if name.startswith("window"):
+            detokenizer._text_source = detokenizer.WindowText
         if name == "window_transformers":  # as if transformers would clean up spaces: its Python decode
             detokenizer._cleans_up_spaces = lambda tok: True
         try:
@@ -115,7 +118,7 @@ def detokenizer_us(tokenizer, tokens: int = 256, rounds: int = 50) -> dict:
                     detok.add([token])
             result[name] = 1e6 * (time.perf_counter() - start) / (rounds * len(ids))
         finally:
-            detokenizer._text_source, detokenizer._cleans_up_spaces = sources["stream"], cleans
+            detokenizer._text_source, byte_level.byte_table, detokenizer._cleans_up_spaces = source, table, cleans
     return result
 
 

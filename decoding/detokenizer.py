@@ -4,11 +4,14 @@ Text is released only when it can no longer change: a trailing incomplete UTF-8
 sequence (decoded as U+FFFD) is held back, and so is any suffix that could be
 the start of a stop string.
 
-The text comes from one of two sources, the same text either way (a test checks
-both, on the default model's tokenizer, against decoding all tokens at once):
+The text comes from one of three sources, the same text each way (a test checks
+each, on the default model's tokenizer, against decoding all tokens at once):
 
-- `StreamText`, where the tokenizer is a fast one whose Rust decode is what
-  `decode` returns: the Rust tokenizer's own incremental decoder
+- `ByteText` (`byte_level.py`), where the tokenizer is a fast byte-level BPE one
+  whose Rust decode is what `decode` returns (the default model's): a table of
+  each id's bytes and an incremental UTF-8 decoder.
+- `StreamText`, for other fast tokenizers whose Rust decode is what `decode`
+  returns: the Rust tokenizer's own incremental decoder
   (`tokenizers.decoders.DecodeStream`, tokenizers >= 0.21), one call per step:
   1.3-1.7 us a streamed token on a CPU with this module's own work
   (`benchmarks/host_time.py`).
@@ -32,6 +35,9 @@ from __future__ import annotations
 
 from functools import partial
 from typing import Any, Callable, Sequence
+
+from medusa.decoding import byte_level
+from medusa.decoding.byte_level import ByteText
 
 
 def _decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
@@ -117,9 +123,19 @@ class StreamText:
         return text
 
 
-def _text_source(tokenizer: Any) -> WindowText | StreamText:
+def prepare(tokenizer: Any) -> None:
+    """Build up front what streaming `tokenizer`'s text needs (its byte table: ~0.2 s for a 49k vocabulary on
+    a CPU), so that the first request does not wait for it."""
+    if tokenizer is not None and _decodes_in_rust(tokenizer):
+        byte_level.byte_table(tokenizer)
+
+
+def _text_source(tokenizer: Any) -> ByteText | StreamText | WindowText:
     if not _decodes_in_rust(tokenizer):
         return WindowText(tokenizer)
+    table = byte_level.byte_table(tokenizer)
+    if table is not None:
+        return ByteText(table)
     stream = _stream_type(tokenizer.backend_tokenizer)
     return StreamText(tokenizer, stream) if stream is not None else WindowText(tokenizer)
 

@@ -45,7 +45,7 @@ import torch
 from medusa.decoding import warmup
 from medusa.decoding.batch_verify import sampled_targets
 from medusa.decoding.block_manager import BlockManager
-from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
+from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer, prepare as prepare_text
 from medusa.decoding.decode_step import RowSampling
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, to_device
@@ -233,6 +233,7 @@ class LLMEngine:
     def __init__(self, model: DecoderModel, heads: MedusaHeads | None, config: EngineConfig = EngineConfig(),
                  tokenizer: Any = None, eos_token_ids: Seq[int] = ()) -> None:
         self.model, self.heads, self.config, self.tokenizer = model, heads, config, tokenizer
+        prepare_text(tokenizer)
         self.device = model.embed_tokens.weight.device
         if self.device.type == "cuda" and not kernel_pages(config.block_size):
             raise ValueError(f"block_size must be a power of two >= 16 on a GPU (the attention kernel walks whole "

@@ -115,7 +115,7 @@ def test_host_time_quick(default_model_dir, tmp_path):
         assert 0 < parts["schedule"] < parts["step"] and 0 < parts["append"] < parts["apply_steps"] < parts["step"]
         assert parts["start_decoding"] > 0  # requests were admitted
     detok = results["detokenizer_us_per_token"]
-    assert set(detok) == {"stream", "window_rust", "window_transformers"} and min(detok.values()) > 0
+    assert set(detok) == {"bytes", "stream", "window_rust", "window_transformers"} and min(detok.values()) > 0
 
 
 def test_spread_order_samples_the_whole_file_from_its_first_requests():

@@ -1,10 +1,13 @@
-"""Incremental detokenisation: a window per step or the Rust DecodeStream, yet the text equals one decode."""
+"""Incremental detokenisation: a byte table, the Rust DecodeStream or a window per step, yet the text equals one
+decode."""
 
 import random
 
 import pytest
 
+import medusa.decoding.byte_level as byte_level
 import medusa.decoding.detokenizer as detokenizer
+from medusa.decoding.byte_level import ByteText
 from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer, StreamText, WindowText, _decoder
 
 TEXT = ("Héllo wörld! 你好，世界。 Emoji: 🦊🚀 — «quotes» and math: ∑ x² ≤ 10.\n"
@@ -18,16 +21,22 @@ def tokenizer(default_model_dir):
     return AutoTokenizer.from_pretrained(str(default_model_dir))
 
 
-@pytest.fixture(params=["stream", "window"], autouse=True)
+SOURCES = {"bytes": ByteText, "stream": StreamText, "window": WindowText}
+
+
+@pytest.fixture(params=list(SOURCES), autouse=True)
 def source(request, monkeypatch):
-    """Every test runs with each text source: the default tokenizer takes the stream, other tokenizers the window."""
+    """Every test runs with each text source: the default tokenizer takes the byte table, a fast tokenizer that is
+    not byte-level the stream, other tokenizers the window."""
+    if request.param == "stream":
+        monkeypatch.setattr(byte_level, "byte_table", lambda tokenizer: None)
     if request.param == "window":
         monkeypatch.setattr(detokenizer, "_text_source", WindowText)
     return request.param
 
 
-def test_the_default_tokenizer_streams_through_rust(tokenizer, source):
-    assert isinstance(IncrementalDetokenizer(tokenizer)._source, StreamText if source == "stream" else WindowText)
+def test_the_default_tokenizer_takes_each_source_in_turn(tokenizer, source):
+    assert isinstance(IncrementalDetokenizer(tokenizer)._source, SOURCES[source])
 
 
 def feed(tokenizer, ids, seed, stop=()):
@@ -126,7 +135,8 @@ def test_text_never_runs_past_an_unfinished_stop_string(tokenizer):
 
 def test_an_unfinished_character_at_the_end_is_released_by_flush(tokenizer):
     ids = tokenizer.encode("ok 🦊", add_special_tokens=False)
-    byte_ids = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"][:1]  # half a character
+    byte_ids = [tokenizer.convert_tokens_to_ids("ð")]  # byte 0xF0: the first of a 4-byte character's
+    assert tokenizer.decode(byte_ids) == "\ufffd"
     detok = IncrementalDetokenizer(tokenizer)
     assert detok.add(ids) == "ok 🦊" and detok.add(byte_ids) == "" and detok.flush() == "\ufffd"
     assert detok.text == tokenizer.decode(ids + byte_ids) and detok.flush() == ""
@@ -145,6 +155,7 @@ def test_a_decode_stream_that_takes_one_id_at_a_time_falls_back_to_the_window(to
                 raise TypeError("argument 'id': 'list' object cannot be interpreted as an integer")
 
     monkeypatch.setattr(tokenizers.decoders, "DecodeStream", OneAtATime)
+    monkeypatch.setattr(byte_level, "byte_table", lambda tokenizer: None)  # as for a tokenizer not byte-level
     monkeypatch.setattr(detokenizer, "_stream", detokenizer._UNCHECKED)
     detok, released = feed(tokenizer, tokenizer.encode(TEXT, add_special_tokens=False), 2)
     assert isinstance(detok._source, WindowText) and released == tokenizer.decode(tokenizer.encode(TEXT),

@@ -1,0 +1,91 @@
+"""Streaming text for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, the default model's SmolLM2).
+
+Their Rust decoder maps each character of each token back to one byte, joins the bytes of all tokens and
+converts them to text, invalid UTF-8 replaced by U+FFFD. So a token's text is a fixed byte string, and the
+text of a stream of ids is their byte strings joined, through an incremental UTF-8 decoder ("replace", the
+same substitution as the Rust conversion: one U+FFFD per maximal invalid subpart), which holds back a
+character still unfinished. A step costs a table lookup per id and one decode, ~0.5 us with this module's
+work, against ~2 us for the Rust tokenizer's own DecodeStream (`benchmarks/host_time.py`).
+
+The table is built once per tokenizer from its vocabulary and checked against the Rust decode of every id
+alone; a tokenizer whose decoder is not plain ByteLevel, or whose check fails, gets None (the caller then
+streams another way).
+"""
+
+from __future__ import annotations
+
+import codecs
+import weakref
+from typing import Any, Sequence
+
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> list[bytes] | None
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: each byte is shown as one printable character. Printable Latin-1 bytes
+    stand for themselves; the others (controls, space, 127-160, the soft hyphen) take the characters from
+    U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in set(printable)]
+    mapping = {chr(b): b for b in printable}
+    mapping.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return mapping
+
+
+def _token_bytes(token: str | None, byte_of: dict[str, int]) -> bytes:
+    """A vocabulary entry's bytes: through the alphabet, or the token's own UTF-8 where a character is not in
+    it (an added token such as "<think>" written plainly), as the ByteLevel decoder does."""
+    if token is None:
+        return b""
+    try:
+        return bytes([byte_of[c] for c in token])
+    except KeyError:
+        return token.encode()
+
+
+def _build_table(rust: Any) -> list[bytes] | None:
+    """Bytes of every id as `rust.decode(ids, skip_special_tokens=True)` sees it (special tokens: none), or
+    None where that decode is not the byte-level join."""
+    if type(rust.decoder).__name__ != "ByteLevel":
+        return None
+    size = max(rust.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    special = {i for i, added in rust.get_added_tokens_decoder().items() if added.special}
+    byte_of = _byte_of_char()
+    table = [b"" if i in special else _token_bytes(rust.id_to_token(i), byte_of) for i in range(size)]
+    alone = rust.decode_batch([[i] for i in range(size)], skip_special_tokens=True)
+    if any(text != data.decode("utf-8", "replace") for text, data in zip(alone, table)):
+        return None
+    return table
+
+
+def byte_table(tokenizer: Any) -> list[bytes] | None:
+    """The byte strings of `tokenizer`'s ids (a transformers fast tokenizer whose decode is its Rust
+    tokenizer's), built on first use and kept while the tokenizer lives; None: not byte-level."""
+    if tokenizer not in _tables:
+        _tables[tokenizer] = _build_table(tokenizer.backend_tokenizer)
+    return _tables[tokenizer]
+
+
+class ByteText:
+    """The detokenizer's text source (see `detokenizer.WindowText`'s contract) for a byte-level tokenizer:
+    each call decodes only the ids past those already seen."""
+
+    def __init__(self, table: list[bytes]) -> None:
+        self._table = table
+        self._bytes_of = table.__getitem__
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._fed = 0  # ids already decoded
+
+    def new_text(self, token_ids: list[int], final: bool) -> str:
+        """Text of the ids past those already decoded; an unfinished character at the end stays pending
+        (unless `final`: then it is decoded as U+FFFD)."""
+        new = token_ids[self._fed:]
+        self._fed = len(token_ids)
+        try:
+            data = b"".join(map(self._bytes_of, new))
+        except IndexError:  # an id past the vocabulary (a model whose vocabulary is padded): no text, as in Rust
+            data = self._known_bytes(new)
+        return self._utf8.decode(data, final)
+
+    def _known_bytes(self, ids: Sequence[int]) -> bytes:
+        return b"".join(self._table[i] for i in ids if 0 <= i < len(self._table))
