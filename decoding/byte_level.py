@@ -4,8 +4,9 @@ Their Rust decoder maps each character of each token back to one byte, joins the
 converts them to text, invalid UTF-8 replaced by U+FFFD. So a token's text is a fixed byte string, and the
 text of a stream of ids is their byte strings joined, through an incremental UTF-8 decoder ("replace", the
 same substitution as the Rust conversion: one U+FFFD per maximal invalid subpart), which holds back a
-character still unfinished. A step costs a table lookup per id and one decode, ~0.5 us with this module's
-work, against ~2 us for the Rust tokenizer's own DecodeStream (`benchmarks/host_time.py`).
+character still unfinished. A streamed token costs a table lookup and one decode: 0.73 us with the
+detokenizer's own work on a 2-core CPU, against 2.2 us through the Rust tokenizer's own DecodeStream
+(`benchmarks/host_time.py`, session 34).
 
 The table is built once per tokenizer from its vocabulary and checked against the Rust decode of every id
 alone; a tokenizer whose decoder is not plain ByteLevel, or whose check fails, gets None (the caller then
@@ -72,20 +73,25 @@ class ByteText:
 
     def __init__(self, table: list[bytes]) -> None:
         self._table = table
-        self._bytes_of = table.__getitem__
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._fed = 0  # ids already decoded
+        self._pending = b""  # the bytes of a character not finished yet
 
     def new_text(self, token_ids: list[int], final: bool) -> str:
         """Text of the ids past those already decoded; an unfinished character at the end stays pending
         (unless `final`: then it is decoded as U+FFFD)."""
-        new = token_ids[self._fed:]
-        self._fed = len(token_ids)
+        start, self._fed = self._fed, len(token_ids)
         try:
-            data = b"".join(map(self._bytes_of, new))
+            # one id a call is the common case (a plain step): no slice, no join
+            data = self._table[token_ids[start]] if self._fed == start + 1 else \
+                b"".join(map(self._table.__getitem__, token_ids[start:]))
         except IndexError:  # an id past the vocabulary (a model whose vocabulary is padded): no text, as in Rust
-            data = self._known_bytes(new)
-        return self._utf8.decode(data, final)
+            data = self._known_bytes(token_ids[start:])
+        if self._pending:
+            data = self._pending + data
+        # codecs' incremental decoder, inline: the text of the whole characters, the rest kept for the next call
+        text, used = codecs.utf_8_decode(data, "replace", final)
+        self._pending = data[used:]
+        return text
 
     def _known_bytes(self, ids: Sequence[int]) -> bytes:
         return b"".join(self._table[i] for i in ids if 0 <= i < len(self._table))
