@@ -31,12 +31,10 @@ last few tokens (`prompt_lookup.py`, computed on the device from each row's toke
 from __future__ import annotations
 
 import itertools
-import numbers
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Sequence as Seq
 
 import numpy as np
@@ -45,109 +43,36 @@ import torch
 from medusa.decoding import warmup
 from medusa.decoding.batch_verify import sampled_targets
 from medusa.decoding.block_manager import BlockManager
-from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer, prepare as prepare_text
+from medusa.decoding.detokenizer import prepare as prepare_text
 from medusa.decoding.decode_step import RowSampling
 from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.engine_config import EngineConfig
+from medusa.decoding.engine_request import (EngineRequest, cannot_stop, checked_params, make_detokenizer,
+                                            prompt_token_ids, until_stop_string)
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, to_device
 from medusa.decoding.logits_processing import penalize, suppress_eos
 from medusa.decoding.model_runner import ModelRunner
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
 from medusa.decoding.prefill_graphs import PromptSegment
-from medusa.decoding.sampler import SamplingConfig, TokenSampler
+from medusa.decoding.sampler import TokenSampler
 from medusa.decoding.sampling_params import SamplingParams
-from medusa.decoding.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, prefill_target
+from medusa.decoding.scheduler import ScheduledSeq, Scheduler, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
 from medusa.decoding.tree_policy import TreePolicy
 from medusa.decoding.verifier import AcceptanceConfig, verify
 from medusa.heads import MedusaHeads
 from medusa.kernels.paged_attention import kernel_pages
 from medusa.model import DecoderModel
-from medusa.tree import MAX_NODES, TreeSpec
+from medusa.tree import TreeSpec
 
-@dataclass(frozen=True)
-class EngineConfig:
-    num_blocks: int = 512
-    # KV slots per block. On a GPU a power of two >= 16; from 64 on, Hopper-class GPUs load K/V in whole
-    # 64-key chunks by TMA (attention 6-22% faster a call where it matters, RESULTS.md session 28), but
-    # prefix caching then shares only whole 64-token blocks (a short system prompt fills none)
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    trees: tuple[str | TreeSpec, ...] = ("single", "tree-4", "tree-8", "tree-16", "tree-32", "tree-64")
-    cuda_graphs: bool = True  # capture the decode step per batch bucket and tree (CUDA only)
-    max_graph_tokens: int = 1024  # warmup times trees only while bucket x tree size stays under this
-    max_model_len: int | None = None  # prompt + output tokens per request; None: min(model context, KV pool)
-    # L > 0: every speculative tree gets a chain of L prompt-lookup nodes (n-gram copies of earlier text);
-    # a tree's head nodes past 64 - L are dropped. 0: off
-    prompt_lookup: int = 0
-    # Launch a decode step before the previous one's tokens are back (its roots, committed lengths and
-    # proposals stay on the device for the next step), so the host's work on one step runs while the
-    # device runs the next; plain and speculative trees alike. None: on where CUDA graphs run (on the CPU
-    # nothing runs ahead of the host: tests turn it on to check the logic)
-    overlap: bool | None = None
-    # A step that decodes and prefills at once runs prompt chunks of up to this many tokens (in all) inside
-    # the decode step's forward: the weights are read once for both, where a prompt forward of its own
-    # would read them all again (on an 8B model, ~16 GB a step). Bigger chunks get their own forward,
-    # where the compute dominates anyway. 0: always their own. Each (batch, tree, token bucket) is a graph
-    mixed_prompt_tokens: int = 512
-    # With overlap, apply the rows' tokens (stops, text, block commits, outputs) once every this many steps, each
-    # sequence's tokens of those steps at once: the host's work per row and step, which bounds a small model at
-    # many requests (the default model at 64 requests on an H200: 2.05 ms a plain step against a 1.25 ms graph),
-    # shrinks by nearly this factor. Outputs then come this many steps apart, and a sequence that stopped runs up
-    # to this many - 1 steps more (their tokens dropped). Steps with rows the host verifies (logprobs, penalties,
-    # min_tokens) apply at once. 1: every step
-    apply_interval: int = 1
-
-    def __post_init__(self) -> None:
-        if self.num_blocks < 1 or self.block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {self.num_blocks}, {self.block_size}")
-        if not self.trees:
-            raise ValueError("trees is empty: give at least one tree name or TreeSpec ('single' is plain decoding)")
-        if not isinstance(self.max_graph_tokens, int) or self.max_graph_tokens < 1:
-            raise ValueError(f"max_graph_tokens must be an integer >= 1, got {self.max_graph_tokens!r}")
-        if not isinstance(self.mixed_prompt_tokens, int) or self.mixed_prompt_tokens < 0:
-            raise ValueError(f"mixed_prompt_tokens must be an integer >= 0, got {self.mixed_prompt_tokens!r}")
-        if not isinstance(self.apply_interval, int) or isinstance(self.apply_interval, bool) or self.apply_interval < 1:
-            raise ValueError(f"apply_interval must be an integer >= 1, got {self.apply_interval!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        lookup = self.prompt_lookup
-        if not isinstance(lookup, int) or isinstance(lookup, bool) or not 0 <= lookup <= MAX_NODES - 2:
-            raise ValueError(f"prompt_lookup must be an integer in [0, {MAX_NODES - 2}], got {lookup!r}: a tree "
-                             f"holds at most {MAX_NODES} nodes, the root and at least one head node among them")
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    params: SamplingParams
-    sampler: TokenSampler
-    detok: IncrementalDetokenizer | FinalDetokenizer | None
-    row: int | None = None  # the decode state row (pending root, head top-k) while it decodes
-    new_text: str = ""  # released by the detokenizer since the last output
-    parent_id: str = ""  # the id the client knows (several sequences share it when n > 1)
-    index: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
-    stats: RequestStats = field(default_factory=RequestStats)
-    stop_ids: frozenset[int] = frozenset()  # tokens that end it (past min_tokens): EOS and stop_token_ids
-    sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
-    quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
-    host_always: bool = field(init=False)  # logprobs or penalties: every verdict is the host's
-    eos_banned_until: int = field(init=False)  # output tokens before which EOS is banned (min_tokens)
-    first_pending: bool = False  # its first output token was drawn on the device and is not read back yet
-
-    def __post_init__(self) -> None:
-        params = self.params
-        self.sampling = params.sampling()
-        self.host_always = params.logprobs is not None or params.has_penalties
-        self.eos_banned_until = 0 if params.ignore_eos else params.min_tokens
+__all__ = ["EngineConfig", "LLMEngine", "stream"]
 
 
 @dataclass
 class _InFlight:
     """An overlapped decode step, launched but not yet read back (or read back, its rows not yet applied)."""
 
-    requests: list[_Request]
+    requests: list[EngineRequest]
     tree: DeviceTree
     padded: int
     propose: bool
@@ -165,44 +90,14 @@ class _FirstTokens:
     logprobs or min_tokens), decided on the device and read back a step later, so an admission does not
     stall the overlapped steps (the next step decodes from the device's roots)."""
 
-    requests: list[_Request]
+    requests: list[EngineRequest]
     tokens: PendingCopy  # [n], one per request
 
 
-def _detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer | FinalDetokenizer | None:
-    """Text every step (streaming, or stop strings to look for), else text once at the end."""
-    if tokenizer is None:
-        return None
-    if params.output_kind == "final" and not params.stop:
-        return FinalDetokenizer(tokenizer)
-    return IncrementalDetokenizer(tokenizer, params.stop)
-
-
-def _until_stop_string(request: _Request, tokens: list[int]) -> tuple[list[int], bool]:
-    """Feed tokens to the detokenizer; with stop strings one at a time, so the output ends at the
-    token that completes one."""
-    if not request.detok.stop:  # nothing to stop at: one decode for the step's tokens, not one per token
-        if tokens:
-            request.new_text += request.detok.add(tokens)
-        return tokens, False
-    for i, token in enumerate(tokens):
-        request.new_text += request.detok.add([token])
-        if request.detok.stopped:
-            return tokens[: i + 1], True
-    return tokens, False
-
-
-def _cannot_stop(request: _Request, tokens: list[int]) -> bool:
-    """Whether appending `tokens` surely ends nothing: under max_tokens, no stop token, no stop string to find."""
-    detok = request.detok
-    return (len(tokens) < request.params.max_tokens - len(request.seq.output_token_ids)
-            and request.stop_ids.isdisjoint(tokens) and (detok is None or not detok.stop))
-
-
-def _rows_by_request(flights: list[_InFlight]) -> list[tuple[_Request, list[tuple[int, list[int]]]]]:
+def _rows_by_request(flights: list[_InFlight]) -> list[tuple[EngineRequest, list[tuple[int, list[int]]]]]:
     """(request, [(step index, packed row), ...]) for every request of the read-back steps, in order of first
     appearance."""
-    grouped: dict[Sequence, tuple[_Request, list[tuple[int, list[int]]]]] = {}
+    grouped: dict[Sequence, tuple[EngineRequest, list[tuple[int, list[int]]]]] = {}
     for j, flight in enumerate(flights):
         for request, row in zip(flight.requests, flight.rows):
             entry = grouped.get(request.seq)
@@ -210,23 +105,6 @@ def _rows_by_request(flights: list[_InFlight]) -> list[tuple[_Request, list[tupl
                 entry = grouped[request.seq] = (request, [])
             entry[1].append((j, row))
     return list(grouped.values())
-
-
-def _checked_params(params: Any) -> SamplingParams:
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be a SamplingParams (or one per prompt), got {type(params).__name__}")
-    return params
-
-
-def _check_token_ids(ids: list, vocab: int) -> None:
-    """Prompt token ids must be integers in [0, vocab): a bad id would index past the embedding on the device."""
-    array = np.asarray(ids)
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), ids)
-        raise ValueError(f"prompt token ids must be integers, got {bad!r}")
-    if array.min() < 0 or array.max() >= vocab:
-        bad = int(array[(array < 0) | (array >= vocab)][0])
-        raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
 
 
 class LLMEngine:
@@ -260,7 +138,7 @@ class LLMEngine:
                                   config.scheduler.max_num_batched_tokens, config.prompt_lookup,
                                   steps_ahead=config.apply_interval)
         self.eos = set(eos_token_ids) | set(model.config.eos_token_ids)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, EngineRequest] = {}
         self._ids = itertools.count()
         self.totals = RequestStats()  # over the engine's life, for /metrics
         self.steps_per_tree: Counter[str] = Counter()  # decode steps per tree label, likewise
@@ -284,25 +162,14 @@ class LLMEngine:
         return self._add(prompt, params, request_id, quiet=False)
 
     def _add(self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None, quiet: bool) -> str:
-        params = _checked_params(params)
+        params = checked_params(params)
         if not params.speculative and self.heads is not None:
             # one tree is verified for every row of a step, so a row cannot opt out within this engine
             raise ValueError("SamplingParams(speculative=False) on an engine with Medusa heads, which speculates "
                              "for every request: send it to a plain engine over the same model instead "
                              "(MedusaModel.engine(speculative=False), as `medusa serve` does)")
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        elif hasattr(prompt, "tolist"):  # a 1-D tensor / array of token ids
-            ids = prompt.tolist()
-        elif isinstance(prompt, Iterable) and not isinstance(prompt, (dict, bytes)):
-            ids = list(prompt)
-        else:
-            raise ValueError(f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
         vocab = self.model.config.vocab_size
-        if not isinstance(prompt, str):
-            _check_token_ids(ids, vocab)
+        ids = prompt_token_ids(prompt, self.tokenizer, vocab)
         too_big = [t for t in params.stop_token_ids if t >= vocab]
         if too_big:
             raise ValueError(f"stop_token_ids {too_big} are past the model's vocabulary of {vocab} tokens")
@@ -318,8 +185,8 @@ class LLMEngine:
             # heads can propose under it (`DecodeStep._coupled_proposals`); draws stay independent
             seed = random.getrandbits(64) if params.seed is None else params.seed + index
             sub = rid if params.n == 1 else f"{rid}#{index}"
-            detok = _detokenizer(self.tokenizer, params)
-            request = _Request(Sequence(sub, ids), params, TokenSampler(seed), detok, parent_id=rid, index=index,
+            detok = make_detokenizer(self.tokenizer, params)
+            request = EngineRequest(Sequence(sub, ids), params, TokenSampler(seed), detok, parent_id=rid, index=index,
                                stop_ids=stop_ids, quiet=quiet)
             self.requests[sub] = request
             self.scheduler.add(request.seq)
@@ -384,10 +251,10 @@ class LLMEngine:
         elif isinstance(params, Seq) and not isinstance(params, str):
             params = list(params)
         else:
-            _checked_params(params)  # raises, naming the type
+            checked_params(params)  # raises, naming the type
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
-        params = [replace(_checked_params(p), output_kind="final") for p in params]
+        params = [replace(checked_params(p), output_kind="final") for p in params]
         ids = []
         try:
             for prompt, sp in zip(prompts, params):
@@ -466,7 +333,7 @@ class LLMEngine:
         padded, tokens = step.bucket(rows), self.runner.prefill.bucket(batch.num_tokens)
         return step.has_mixed_graph(tree, padded, tokens) or self.policy.settled_on(padded, tree.spec)
 
-    def _commit_prefills(self, prefills: list, batch) -> list[tuple[_Request, int]]:
+    def _commit_prefills(self, prefills: list, batch) -> list[tuple[EngineRequest, int]]:
         """The chunks' KV is (being) written: commit it. -> (request, row of its last prompt token in the
         batch's hidden states) for each sequence whose prompt is now all cached."""
         ready = []
@@ -532,7 +399,7 @@ class LLMEngine:
         self._first_tokens.clear()
         return outputs
 
-    def _emit_first_tokens(self, pairs: list[tuple[_Request, int]]) -> list[RequestOutput]:
+    def _emit_first_tokens(self, pairs: list[tuple[EngineRequest, int]]) -> list[RequestOutput]:
         """Append each request's first output token, with stops; the outputs of those that report it."""
         outputs = []
         for request, token in pairs:
@@ -572,7 +439,7 @@ class LLMEngine:
         self._read_back_time = now
         return outputs
 
-    def _start_decoding(self, ready: list[tuple[_Request, int]], hidden: torch.Tensor) -> list[RequestOutput]:
+    def _start_decoding(self, ready: list[tuple[EngineRequest, int]], hidden: torch.Tensor) -> list[RequestOutput]:
         """Sequences whose prompt is now cached get a decode state row, their pending root and the
         heads' proposals: one lm_head, one argmax, one sync and one heads call for all of them.
 
@@ -615,7 +482,7 @@ class LLMEngine:
             return []
         return self._emit_first_tokens([(ready[k][0], roots[k]) for k in fresh])
 
-    def _draw_first_tokens(self, requests: list[_Request], raw: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    def _draw_first_tokens(self, requests: list[EngineRequest], raw: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
         """Output token 0 of fresh requests that need no host logic, on the device: `argmax` [f] for greedy
         ones, for sampled ones a draw from raw logits [f, V] as a decode step draws its targets
         (`sampled_targets`: for a seeded request the host sampler's draw, with output 0's uniform)."""
@@ -633,7 +500,7 @@ class LLMEngine:
             filtered=any(r.filters for r in rows))  # [s, 1]
         return argmax.index_copy(0, at, drawn[:, 0])
 
-    def _first_token(self, request: _Request, raw: torch.Tensor) -> int:
+    def _first_token(self, request: EngineRequest, raw: torch.Tensor) -> int:
         """Output token 0 from raw logits [1, V], with penalties, the min_tokens ban, sampling, logprobs."""
         logits = self._suppress_eos(request, self._penalize(request, raw), torch.zeros(1, device=self.device))
         sampling = request.sampling
@@ -656,7 +523,7 @@ class LLMEngine:
             self.policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
         return outputs, part1.prompt_hidden
 
-    def _apply_rows(self, requests: list[_Request], tree: DeviceTree, rows: list[list[int]],
+    def _apply_rows(self, requests: list[EngineRequest], tree: DeviceTree, rows: list[list[int]],
                     ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
         """A step's packed rows (count, D + 1 tokens, deepest accepted node) -> tokens appended up to the
         first stop, KV committed, statistics. Sequences finished or aborted since the launch are skipped
@@ -702,7 +569,7 @@ class LLMEngine:
             if seq.is_finished or self.requests.get(seq.request_id) is not request:
                 continue
             tokens = [t for _, row in rows for t in row[1:row[0] + 1]]
-            whole = _cannot_stop(request, tokens)
+            whole = cannot_stop(request, tokens)
             emitted = []
             for j, row in rows:
                 if seq.is_finished:  # stopped in an earlier one of these steps
@@ -736,7 +603,7 @@ class LLMEngine:
         if bests and spec.num_nodes > 1:
             self.policy.observe_subtrees(spec, np.asarray(bests, dtype=np.int64))
 
-    def _verify_on_host(self, requests: list[_Request], tree: DeviceTree, part1) -> None:
+    def _verify_on_host(self, requests: list[EngineRequest], tree: DeviceTree, part1) -> None:
         """Verdicts for rows the device rules cannot decide: min_tokens, logprobs, penalties."""
         n = tree.num_nodes
         index, best, next_tokens = [], [], []
@@ -755,11 +622,11 @@ class LLMEngine:
             next_tokens.append(int(verdict.next_token))
         self.runner.decode.override(index, best, next_tokens)
 
-    def _needs_host(self, request: _Request) -> bool:
+    def _needs_host(self, request: EngineRequest) -> bool:
         """Whether the request's rows need the host's verdict: logprobs, penalties, or EOS still banned."""
         return request.host_always or request.seq.num_output_tokens < request.eos_banned_until
 
-    def _row_sampling(self, request: _Request, tree: DeviceTree | None) -> RowSampling | None:
+    def _row_sampling(self, request: EngineRequest, tree: DeviceTree | None) -> RowSampling | None:
         """Device-side sampling settings for a sampling row the host does not handle; None otherwise.
 
         Node i's target is output number num_output_tokens + (tokens of steps in flight) + depth(i);
@@ -780,10 +647,10 @@ class LLMEngine:
 
     # ---- helpers ---------------------------------------------------------
 
-    def _append(self, request: _Request, tokens: list[int]) -> list[int]:
+    def _append(self, request: EngineRequest, tokens: list[int]) -> list[int]:
         """Append up to the first stop condition; finish and free the sequence if one hit. `tokens`: ints."""
         seq, params, detok = request.seq, request.params, request.detok
-        if _cannot_stop(request, tokens):  # most steps
+        if cannot_stop(request, tokens):  # most steps
             if detok is not None:
                 request.new_text += detok.add(tokens)
             seq.output_token_ids.extend(tokens)
@@ -798,7 +665,7 @@ class LLMEngine:
                     kept, reason = kept[:i], FinishReason.STOP
                     break
         if request.detok is not None:
-            kept, stopped = _until_stop_string(request, kept)
+            kept, stopped = until_stop_string(request, kept)
             reason = FinishReason.STOP if stopped else reason
         seq.append_tokens(kept)
         if request.logprobs:
@@ -809,15 +676,15 @@ class LLMEngine:
             self._release_row(request)
         return kept
 
-    def _suppress_eos(self, request: _Request, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    def _suppress_eos(self, request: EngineRequest, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         banned = sorted(request.stop_ids)  # empty with ignore_eos, when suppress_eos bans nothing anyway
         return suppress_eos(request.params, request.seq.num_output_tokens, banned, logits, depths)
 
-    def _penalize(self, request: _Request, logits: torch.Tensor, tree: DeviceTree | None = None,
+    def _penalize(self, request: EngineRequest, logits: torch.Tensor, tree: DeviceTree | None = None,
                   candidates: torch.Tensor | None = None) -> torch.Tensor:
         return penalize(request.params, request.seq.output_token_ids, logits, tree, candidates)
 
-    def _note_logprobs(self, request: _Request, logits: torch.Tensor, tokens: list[int]) -> None:
+    def _note_logprobs(self, request: EngineRequest, logits: torch.Tensor, tokens: list[int]) -> None:
         """logits [n, V]: row i is the distribution tokens[i] was drawn from."""
         k = request.params.logprobs
         if k is None:
@@ -829,12 +696,12 @@ class LLMEngine:
             alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if k else []
             request.logprobs.append(TokenLogprob(token, chosen[i], alternatives))
 
-    def _release_row(self, request: _Request) -> None:
+    def _release_row(self, request: EngineRequest) -> None:
         if request.row is not None:
             self.runner.decode.release_row(request.row)
             request.row = None
 
-    def _output(self, request: _Request, new: list[int]) -> RequestOutput:
+    def _output(self, request: EngineRequest, new: list[int]) -> RequestOutput:
         seq = request.seq
         finished = seq.is_finished
         text, delta = "", ""

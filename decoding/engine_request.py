@@ -1,0 +1,109 @@
+"""The engine's state per sequence, and the checks and conversions a request goes through on its way in and out
+(prompt token ids, sampling parameters, the detokenizer, stops)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
+from medusa.decoding.outputs import RequestStats, TokenLogprob
+from medusa.decoding.sampler import SamplingConfig, TokenSampler
+from medusa.decoding.sampling_params import SamplingParams
+from medusa.decoding.sequence import Sequence
+
+
+@dataclass
+class EngineRequest:
+    """One sequence the engine runs (a request with n > 1 is n of them): its tokens, sampling and output state."""
+
+    seq: Sequence
+    params: SamplingParams
+    sampler: TokenSampler
+    detok: IncrementalDetokenizer | FinalDetokenizer | None
+    row: int | None = None  # the decode state row (pending root, head top-k) while it decodes
+    new_text: str = ""  # released by the detokenizer since the last output
+    parent_id: str = ""  # the id the client knows (several sequences share it when n > 1)
+    index: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
+    stats: RequestStats = field(default_factory=RequestStats)
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it (past min_tokens): EOS and stop_token_ids
+    sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
+    quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
+    host_always: bool = field(init=False)  # logprobs or penalties: every verdict is the host's
+    eos_banned_until: int = field(init=False)  # output tokens before which EOS is banned (min_tokens)
+    first_pending: bool = False  # its first output token was drawn on the device and is not read back yet
+
+    def __post_init__(self) -> None:
+        params = self.params
+        self.sampling = params.sampling()
+        self.host_always = params.logprobs is not None or params.has_penalties
+        self.eos_banned_until = 0 if params.ignore_eos else params.min_tokens
+
+
+def make_detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer | FinalDetokenizer | None:
+    """Text every step (streaming, or stop strings to look for), else text once at the end."""
+    if tokenizer is None:
+        return None
+    if params.output_kind == "final" and not params.stop:
+        return FinalDetokenizer(tokenizer)
+    return IncrementalDetokenizer(tokenizer, params.stop)
+
+
+def until_stop_string(request: EngineRequest, tokens: list[int]) -> tuple[list[int], bool]:
+    """Feed tokens to the detokenizer; with stop strings one at a time, so the output ends at the
+    token that completes one."""
+    if not request.detok.stop:  # nothing to stop at: one decode for the step's tokens, not one per token
+        if tokens:
+            request.new_text += request.detok.add(tokens)
+        return tokens, False
+    for i, token in enumerate(tokens):
+        request.new_text += request.detok.add([token])
+        if request.detok.stopped:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+def cannot_stop(request: EngineRequest, tokens: list[int]) -> bool:
+    """Whether appending `tokens` surely ends nothing: under max_tokens, no stop token, no stop string to find."""
+    detok = request.detok
+    return (len(tokens) < request.params.max_tokens - len(request.seq.output_token_ids)
+            and request.stop_ids.isdisjoint(tokens) and (detok is None or not detok.stop))
+
+
+def checked_params(params: Any) -> SamplingParams:
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams (or one per prompt), got {type(params).__name__}")
+    return params
+
+
+def prompt_token_ids(prompt: Any, tokenizer: Any, vocab: int) -> list[int]:
+    """A prompt (text, or token ids as a list, tuple, tensor or array) -> its token ids, checked."""
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    elif hasattr(prompt, "tolist"):  # a 1-D tensor / array of token ids
+        ids = prompt.tolist()
+    elif isinstance(prompt, Iterable) and not isinstance(prompt, (dict, bytes)):
+        ids = list(prompt)
+    else:
+        raise ValueError(f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if not isinstance(prompt, str):
+        check_token_ids(ids, vocab)
+    return ids
+
+
+def check_token_ids(ids: list, vocab: int) -> None:
+    """Prompt token ids must be integers in [0, vocab): a bad id would index past the embedding on the device."""
+    array = np.asarray(ids)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), ids)
+        raise ValueError(f"prompt token ids must be integers, got {bad!r}")
+    if array.min() < 0 or array.max() >= vocab:
+        bad = int(array[(array < 0) | (array >= vocab)][0])
+        raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
