@@ -82,9 +82,10 @@ def checked_params(params: Any) -> SamplingParams:
 
 
 def prompt_token_ids(prompt: Any, tokenizer: Any, vocab: int) -> list[int]:
-    """A prompt (text, or token ids as a list, tuple, tensor or array) -> its token ids, checked."""
+    """A prompt (text, or token ids as a list, tuple, tensor or array) -> its token ids, checked. Text gets the
+    tokenizer's own special tokens (a BOS where it adds one), as `MedusaModel.encode` and vLLM give it."""
     if isinstance(prompt, str):
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(prompt)["input_ids"]
     elif hasattr(prompt, "tolist"):  # a 1-D tensor / array of token ids
         ids = prompt.tolist()
     elif isinstance(prompt, Iterable) and not isinstance(prompt, (dict, bytes)):

@@ -23,16 +23,24 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
     return checked
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]], system_prompt: str | None = None) -> list[int]:
-    """Token ids of the conversation, ending where the assistant's reply starts.
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]], system_prompt: str | None = None, *,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+    """Token ids of the conversation, ending where the assistant's reply starts (or, with
+    `continue_final_message`, inside the last message, so the reply continues it; with
+    add_generation_prompt=False, after the last message).
 
     `system_prompt` is prepended when the conversation has no system message
-    (SmolLM2 answers far better with its own).
+    (SmolLM2 answers far better with its own). The template writes any BOS itself, so
+    the text is tokenized without the tokenizer's own special tokens.
     """
     messages = validate_messages(messages)
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first starts a "
+                         "new assistant message, the second continues the last one")
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this tokenizer has no chat template: pass a plain prompt string or token ids instead")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

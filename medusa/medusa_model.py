@@ -259,8 +259,11 @@ class MedusaModel:
         return self.generate(messages, **kwargs)
 
     def encode(self, inputs: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:
+        """Token ids of a prompt: text with the tokenizer's own special tokens (a BOS where the model's tokenizer
+        adds one, as Hugging Face's `tokenizer(text)` and vLLM do), a conversation through the chat template
+        (which writes any BOS itself), or token ids as given (checked against the vocabulary)."""
         if isinstance(inputs, str):
-            return self.tokenizer(inputs, add_special_tokens=False)["input_ids"]
+            return self.tokenizer(inputs)["input_ids"]
         if isinstance(inputs, torch.Tensor):
             if inputs.dim() > 1 and inputs.shape[0] != 1:
                 raise ValueError(f"input_ids must be one sequence, got shape {tuple(inputs.shape)}")

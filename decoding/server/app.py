@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import json
 import logging
 from contextlib import asynccontextmanager
 from itertools import groupby
@@ -27,6 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+import medusa
 from medusa.decoding.async_engine import AsyncLLMEngine
 from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.server import protocol as p
@@ -34,6 +36,7 @@ from medusa.decoding.server.errors import APIError, bad_request, from_validation
 from medusa.decoding.server.jobs import Job, chat_job, completion_job, context_limit
 from medusa.decoding.server.metrics import CONTENT_TYPE, ServerMetrics
 from medusa.decoding.server.responses import Formatter, engine_outputs, full_response, shutting_down, stream_events
+from medusa.decoding.server.tokenization import detokenize, tokenize, tokenize_request_type
 
 log = logging.getLogger("medusa.server")
 
@@ -167,15 +170,43 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = await _parse(request, state, p.CompletionRequest)
         return await _serve(request, state, completion_job(req, state.model, state.max_model_len))
 
+    # vLLM's extra routes, outside /v1 (so, as there, no API key): no engine step runs for them
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        body = await request.body()
+        req = _validated(body, tokenize_request_type(_json_or_none(body)), state)
+        return JSONResponse(tokenize(req, state.model, state.max_model_len).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> JSONResponse:
+        req = _validated(await request.body(), p.DetokenizeRequest, state)
+        return JSONResponse(detokenize(req, state.model).model_dump())
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse(p.VersionResponse(version=medusa.__version__).model_dump())
+
 
 async def _parse(request: Request, state: ServerState, cls: type[p.BaseModel]) -> Any:
     state.authorize(request)
+    return _validated(await request.body(), cls, state)
+
+
+def _validated(body: bytes, cls: type[p.BaseModel], state: ServerState) -> Any:
+    """The body as a `cls` request for the served model; a 400 (or 404 for another model) otherwise."""
     try:
-        req = cls.model_validate_json(await request.body())
+        req = cls.model_validate_json(body)
     except ValidationError as err:
         raise from_validation(err) from None
     state.check_model(req.model)
     return req
+
+
+def _json_or_none(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:  # the request model's own parse reports it
+        return None
 
 
 async def _serve(request: Request, state: ServerState, job: Job) -> Response:

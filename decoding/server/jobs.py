@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from jinja2 import TemplateError
 
+from medusa.chat import chat_prompt_ids
 from medusa.decoding.engine import EngineConfig
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.server.errors import APIError, bad_request, unsupported
-from medusa.decoding.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from medusa.decoding.server.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
+                                             _SamplingRequest)
 
 # LLMEngine.add_request keeps this many positions spare beyond prompt + max_tokens.
 ENGINE_CONTEXT_MARGIN = 8
@@ -59,17 +62,25 @@ def chat_job(req: ChatCompletionRequest, model: Any, max_model_len: int) -> Job:
         raise unsupported("response_format", "structured output is not implemented")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+    ids = chat_prompt(req, model)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = _sampling_params(req, [ids], max_tokens, logprobs, model, max_model_len)
+    return _job("chat", req, [ids], params)
+
+
+def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest, model: Any) -> list[int]:
+    """The conversation's token ids through the model's chat template (its system prompt where the conversation
+    has none), as the request's template options say."""
     messages = []
     for i, message in enumerate(req.messages):
         text = message.text()
         if text is None:
             raise bad_request(f"messages[{i}].content must be text", "messages")
         messages.append({"role": "system" if message.role == "developer" else message.role, "content": text})
-    ids = _encode(model, messages, "messages")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _sampling_params(req, [ids], max_tokens, logprobs, model, max_model_len)
-    return _job("chat", req, [ids], params)
+    return _encode(lambda: chat_prompt_ids(model.tokenizer, messages, model.system_prompt,
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message), "messages")
 
 
 def completion_job(req: CompletionRequest, model: Any, max_model_len: int) -> Job:
@@ -81,7 +92,7 @@ def completion_job(req: CompletionRequest, model: Any, max_model_len: int) -> Jo
     if req.echo and req.logprobs is not None:
         raise unsupported("echo", "prompt logprobs are not computed, so echo cannot be combined with logprobs")
     prompts = _prompt_list(req.prompt)
-    ids = [_encode(model, p, "prompt") for p in prompts]
+    ids = [_encode(lambda: model.encode(p), "prompt") for p in prompts]
     params = _sampling_params(req, ids, req.max_tokens, req.logprobs, model, max_model_len)
     echo = [p if isinstance(p, str) else model.tokenizer.decode(p) for p in prompts] if req.echo else None
     return _job("completion", req, ids, params, echo)
@@ -117,9 +128,10 @@ def _prompt_list(prompt: Any) -> list[Any]:
     return prompts
 
 
-def _encode(model: Any, inputs: Any, param: str) -> list[int]:
+def _encode(encode: Callable[[], list[int]], param: str) -> list[int]:
+    """`encode()`'s token ids, its errors (bad input) a 400 naming `param`."""
     try:
-        ids = model.encode(inputs)
+        ids = encode()
     except (ValueError, TypeError, TemplateError) as err:  # out-of-vocabulary ids, no chat template,
         raise bad_request(str(err), param) from None       # a template refusing the conversation
     if not ids:

@@ -76,7 +76,15 @@ class ChatMessage(_Strict):
         return self.content
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class _ChatTemplateOptions(_Strict):
+    """How the conversation meets the chat template (vLLM's names): a new assistant turn is started, or the last
+    (assistant) message is continued."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class ChatCompletionRequest(_SamplingRequest, _ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, lt=_INT64)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False
@@ -93,6 +101,28 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+
+class TokenizeCompletionRequest(_Strict):
+    """/tokenize with a prompt: its token ids as /v1/completions would run them."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # the tokenizer's own BOS and the like, as /v1/completions adds them
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_ChatTemplateOptions):
+    """/tokenize with messages: the token ids /v1/chat/completions would run."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses -------------------------------------------------------------
@@ -197,3 +227,18 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # each token's vocabulary entry, when asked for
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

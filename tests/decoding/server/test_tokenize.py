@@ -1,0 +1,119 @@
+"""vLLM's /tokenize, /detokenize and /version; the chat template options of /v1/chat/completions; text prompts
+get the tokenizer's own special tokens (a BOS where it adds one) wherever they enter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+import medusa
+from medusa.decoding.engine import EngineConfig, LLMEngine
+from medusa.decoding.sampling_params import SamplingParams
+from medusa.decoding.server import build_app
+
+MSG = [{"role": "user", "content": "Name a colour."}]
+STARTED = MSG + [{"role": "assistant", "content": "The colour is"}]
+
+
+def post(client, path, body):
+    raw = body if isinstance(body, str) else json.dumps(body)
+    return client.post(path, content=raw, headers={"content-type": "application/json"})
+
+
+def error_param(resp, status):
+    assert resp.status_code == status, resp.text
+    return resp.json()["error"]["param"]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model):
+    app = build_app(tiny_model, "tiny", api_key="secret", engine_config=EngineConfig(num_blocks=128))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def served_prompt_tokens(client, path, body):
+    """The prompt tokens a completion request ran (its usage)."""
+    resp = client.post(path, json={**body, "max_tokens": 1}, headers={"Authorization": "Bearer secret"})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["usage"]["prompt_tokens"]
+
+
+def test_a_prompt_tokenizes_to_what_a_completion_runs(client, tiny_model):
+    resp = post(client, "/tokenize", {"prompt": "Hello there, world"})  # no API key, as on a vLLM server
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["tokens"] == tiny_model.encode("Hello there, world") and body["count"] == len(body["tokens"])
+    assert body["token_strs"] is None and body["max_model_len"] == client.app.state.server.max_model_len
+    assert served_prompt_tokens(client, "/v1/completions", {"prompt": "Hello there, world"}) == body["count"]
+    strs = post(client, "/tokenize", {"prompt": "Hello there", "return_token_strs": True}).json()["token_strs"]
+    assert strs == tiny_model.tokenizer.convert_ids_to_tokens(tiny_model.encode("Hello there")) == ["Hello", "Ġthere"]
+
+
+def test_messages_tokenize_to_what_a_chat_completion_runs(client, tiny_model):
+    resp = post(client, "/tokenize", {"messages": MSG})
+    ids = resp.json()["tokens"]
+    text = tiny_model.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\nBe brief.") and text.endswith("<|im_start|>assistant\n")
+    assert served_prompt_tokens(client, "/v1/chat/completions", {"messages": MSG}) == len(ids)
+
+
+def test_the_chat_template_options_shape_the_prompt(client, tiny_model):
+    decode = tiny_model.tokenizer.decode
+    closed = post(client, "/tokenize", {"messages": MSG, "add_generation_prompt": False}).json()["tokens"]
+    assert decode(closed).endswith("Name a colour.<|im_end|>\n")
+    options = {"messages": STARTED, "add_generation_prompt": False, "continue_final_message": True}
+    continued = post(client, "/tokenize", options).json()["tokens"]
+    assert decode(continued).endswith("<|im_start|>assistant\nThe colour is")  # the reply goes on from there
+    assert served_prompt_tokens(client, "/v1/chat/completions", options) == len(continued)
+    both = {"messages": STARTED, "continue_final_message": True}  # add_generation_prompt is true by default
+    assert error_param(post(client, "/tokenize", both), 400) == "messages"
+    chat = {"messages": STARTED, "continue_final_message": True, "max_tokens": 1}
+    assert error_param(client.post("/v1/chat/completions", json=chat, headers={"Authorization": "Bearer secret"}),
+                       400) == "messages"
+
+
+def test_detokenize_gives_the_text_back(client, tiny_model):
+    ids = post(client, "/tokenize", {"messages": MSG}).json()["tokens"]
+    resp = post(client, "/detokenize", {"tokens": ids})
+    assert resp.status_code == 200 and resp.json() == {"prompt": tiny_model.tokenizer.decode(ids)}
+    assert "<|im_start|>" in resp.json()["prompt"]  # special tokens are kept: the ids round-trip
+    assert error_param(post(client, "/detokenize", {"tokens": [5, 10**9]}), 400) == "tokens"
+
+
+@pytest.mark.parametrize("path,body,status", [
+    ("/tokenize", "{", 400), ("/tokenize", {}, 400), ("/tokenize", {"prompt": 5}, 400),
+    ("/tokenize", {"messages": []}, 400), ("/tokenize", {"prompt": "x", "model": "other"}, 404),
+    ("/detokenize", {"tokens": "abc"}, 400), ("/detokenize", {"tokens": [1], "model": "other"}, 404),
+])
+def test_bad_tokenize_requests_get_error_objects(client, path, body, status):
+    resp = post(client, path, body)
+    assert resp.status_code == status and set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_version(client):
+    assert client.get("/version").json() == {"version": medusa.__version__}
+
+
+def test_text_prompts_get_the_tokenizers_bos(tiny_model, default_model_dir):
+    """A tokenizer that adds a BOS (Llama's) gets it on text prompts, through MedusaModel, the engine and
+    /tokenize alike, and not a second one on a chat template's text."""
+    from transformers import AutoTokenizer
+
+    from medusa.medusa_model import MedusaModel
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir), add_bos_token=True)
+    bos = tokenizer.bos_token_id
+    model = MedusaModel(tiny_model.base, tokenizer, tiny_model.heads, system_prompt="Be brief.")
+    ids = model.encode("Hello there")
+    assert ids[0] == bos and ids[1:] == tiny_model.encode("Hello there")
+    assert model.encode(MSG).count(bos) == tiny_model.encode(MSG).count(bos)  # the template's own, nothing added
+    engine = LLMEngine(model.base, None, EngineConfig(num_blocks=64), tokenizer)
+    rid = engine.add_request("Hello there", SamplingParams(max_tokens=2))
+    assert engine.requests[rid].seq.prompt_token_ids == ids and engine.abort(rid)
+    with TestClient(build_app(model, "tiny", engine_config=EngineConfig(num_blocks=64))) as client:
+        assert post(client, "/tokenize", {"prompt": "Hello there"}).json()["tokens"] == ids
+        plain = post(client, "/tokenize", {"prompt": "Hello there", "add_special_tokens": False}).json()["tokens"]
+        assert plain == ids[1:]
