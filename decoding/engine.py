@@ -170,9 +170,11 @@ class LLMEngine:
                              "(MedusaModel.engine(speculative=False), as `medusa serve` does)")
         vocab = self.model.config.vocab_size
         ids = prompt_token_ids(prompt, self.tokenizer, vocab)
-        too_big = [t for t in params.stop_token_ids if t >= vocab]
-        if too_big:
-            raise ValueError(f"stop_token_ids {too_big} are past the model's vocabulary of {vocab} tokens")
+        bias_ids = [t for t, _ in params.logit_bias]
+        for name, named in (("stop_token_ids", params.stop_token_ids), ("logit_bias", bias_ids)):
+            too_big = [t for t in named if t >= vocab]
+            if too_big:
+                raise ValueError(f"{name} names token ids {too_big} past the model's vocabulary of {vocab} tokens")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's "
                              f"context of {self.max_model_len} tokens (max_model_len)")
@@ -186,8 +188,8 @@ class LLMEngine:
             seed = random.getrandbits(64) if params.seed is None else params.seed + index
             sub = rid if params.n == 1 else f"{rid}#{index}"
             detok = make_detokenizer(self.tokenizer, params)
-            request = EngineRequest(Sequence(sub, ids), params, TokenSampler(seed), detok, parent_id=rid, index=index,
-                               stop_ids=stop_ids, quiet=quiet)
+            request = EngineRequest(Sequence(sub, ids), params, TokenSampler(seed), detok, parent_id=rid,
+                                    index=index, stop_ids=stop_ids, quiet=quiet)
             self.requests[sub] = request
             self.scheduler.add(request.seq)
         return rid
@@ -482,7 +484,8 @@ class LLMEngine:
             return []
         return self._emit_first_tokens([(ready[k][0], roots[k]) for k in fresh])
 
-    def _draw_first_tokens(self, requests: list[EngineRequest], raw: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    def _draw_first_tokens(self, requests: list[EngineRequest], raw: torch.Tensor,
+                           argmax: torch.Tensor) -> torch.Tensor:
         """Output token 0 of fresh requests that need no host logic, on the device: `argmax` [f] for greedy
         ones, for sampled ones a draw from raw logits [f, V] as a decode step draws its targets
         (`sampled_targets`: for a seeded request the host sampler's draw, with output 0's uniform)."""
@@ -682,7 +685,8 @@ class LLMEngine:
 
     def _penalize(self, request: EngineRequest, logits: torch.Tensor, tree: DeviceTree | None = None,
                   candidates: torch.Tensor | None = None) -> torch.Tensor:
-        return penalize(request.params, request.seq.output_token_ids, logits, tree, candidates)
+        return penalize(request.params, request.seq.output_token_ids, logits, tree, candidates,
+                        request.seq.prompt_token_ids)
 
     def _note_logprobs(self, request: EngineRequest, logits: torch.Tensor, tokens: list[int]) -> None:
         """logits [n, V]: row i is the distribution tokens[i] was drawn from."""

@@ -1,4 +1,4 @@
-"""Per-request changes to the base logits before a verdict: the min_tokens EOS ban and penalties.
+"""Per-request changes to the base logits before a verdict: the min_tokens EOS ban, logit bias and penalties.
 
 Both work on every node of a tree at once: node i's logits predict output
 number num_output_tokens + depth(i), after the text of node i's path. Logprobs
@@ -31,8 +31,10 @@ def suppress_eos(params: SamplingParams, produced: int, banned: Sequence[int], l
 
 
 def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Tensor,
-             tree: DeviceTree | None = None, candidates: torch.Tensor | None = None) -> torch.Tensor:
-    """OpenAI presence / frequency penalties at every tree node, each from its own text.
+             tree: DeviceTree | None = None, candidates: torch.Tensor | None = None,
+             prompt_ids: Sequence[int] = ()) -> torch.Tensor:
+    """logit_bias, then the repetition penalty and OpenAI's presence / frequency penalties, at every tree node,
+    each from its own text (vLLM's order and semantics).
 
     logits [N, V] at the nodes of `tree` (candidates [N], root first), or [1, V]
     at the last token with no tree. Row i predicts the token after node i, so
@@ -41,15 +43,27 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
     ancestor at depth >= 1 *and node i itself*, all of which precede the
     predicted token. Each node then sees exactly the logits plain decoding would
     see had it emitted that path, so greedy equals plain greedy and sampling
-    stays lossless. Prompt tokens never count (vLLM's semantics). Returns
-    float32 logits (a new tensor) when a penalty is set.
+    stays lossless. Presence and frequency count the output only; the repetition
+    penalty also every token of the prompt (`prompt_ids`). Returns float32 logits
+    (a new tensor) when anything applies.
     """
     if not params.has_penalties:
         return logits
     num_nodes, vocab = logits.shape
-    output = torch.tensor(list(output_ids), dtype=torch.long, device=logits.device)
+    device = logits.device
+    logits = logits.float().clone()
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        logits[:, torch.tensor(ids, device=device)] += torch.tensor(bias, device=device)
+    output = torch.tensor(list(output_ids), dtype=torch.long, device=device)
     counts = torch.bincount(output, minlength=vocab).float()[None].repeat(num_nodes, 1)  # [N, V]
     if tree is not None and num_nodes > 1:
         on_path = tree.mask[:, 1:].float()  # [N, N - 1]: node j >= 1 is node i's ancestor-or-self
         counts.scatter_add_(1, candidates[1:].expand(num_nodes, -1), on_path)
-    return logits.float() - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    if params.repetition_penalty != 1:
+        seen = counts > 0
+        if len(prompt_ids):
+            seen[:, torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
+        penalty = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()

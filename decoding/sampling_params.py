@@ -25,6 +25,12 @@ class SamplingParams:
     # logits[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's repetition penalty, over the prompt and the output: a seen token's logit is divided by it where
+    # positive and multiplied by it where not (1: off). Applied before presence / frequency
+    repetition_penalty: float = 1.0
+    # token id -> bias added to its logit before any penalty (OpenAI's logit_bias, in [-100, 100]). A dict is
+    # kept as sorted (id, bias) pairs, so that the params stay hashable
+    logit_bias: tuple[tuple[int, float], ...] = ()
     speculative: bool = True  # False: plain decoding, which only an engine without heads runs (it checks)
     # "delta": every output carries the text its new tokens add (streaming: the text is decoded every
     # step). "final": text only in the finished output, decoded once at the end; earlier outputs carry
@@ -64,6 +70,11 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
             object.__setattr__(self, name, float(value))
+        rep = self.repetition_penalty
+        if isinstance(rep, bool) or not isinstance(rep, (int, float)) or not 0 < rep < float("inf"):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 is off), got {rep!r}")
+        object.__setattr__(self, "repetition_penalty", float(rep))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.output_kind not in ("delta", "final"):
             raise ValueError(f"output_kind must be 'delta' or 'final', got {self.output_kind!r}")
         for name in ("temperature", "top_p"):
@@ -74,7 +85,9 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0
+        """Whether any logit change (bias or penalty) applies: the host then gives every verdict."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias))
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
@@ -83,3 +96,21 @@ class SamplingParams:
 def _is_int(value) -> bool:
     """A Python or NumPy integer, not a bool (True would pass as max_tokens=1)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a dict or pairs; ids >= 0, biases in [-100, 100]."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = [(token, value) for token, value in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}") from None
+    for token, value in pairs:
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+    ids = [int(token) for token, _ in pairs]
+    if len(set(ids)) < len(ids):
+        raise ValueError(f"logit_bias names a token twice: {sorted(ids)}")
+    return tuple(sorted((int(token), float(value)) for token, value in pairs))

@@ -3,10 +3,10 @@
 All the semantic checks live here (context length, vocabulary, options the
 engine cannot honour), so the engine only ever sees requests it can run.
 
-presence_penalty and frequency_penalty (range-checked by the protocol) go to the
+logit_bias, repetition_penalty, presence_penalty and frequency_penalty go to the
 engine, which applies them along every tree node's own path, so they stay
-lossless with Medusa. repetition_penalty, logit_bias, tools, structured output
-and `suffix` are refused with a 400 rather than silently ignored.
+lossless with Medusa. Tools, structured output and `suffix` are refused with a
+400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ class Job:
 
 
 def chat_job(req: ChatCompletionRequest, model: Any, max_model_len: int) -> Job:
-    _refuse_unsupported(req)
     if req.tools and req.tool_choice != "none":
         raise unsupported("tools", "the server does not parse tool calls")
     if req.response_format and req.response_format.get("type", "text") != "text":
@@ -84,7 +83,6 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest, model: Any) ->
 
 
 def completion_job(req: CompletionRequest, model: Any, max_model_len: int) -> Job:
-    _refuse_unsupported(req)
     if req.suffix:
         raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
     if req.best_of is not None and req.best_of != (req.n or 1):
@@ -106,13 +104,6 @@ def _job(kind: str, req: _SamplingRequest, prompts: list[list[int]], params: Sam
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return Job(kind, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.speculative is not False,
                bool(req.stream), include_usage, echo)
-
-
-def _refuse_unsupported(req: _SamplingRequest) -> None:
-    if req.repetition_penalty not in (None, 1.0):
-        raise unsupported("repetition_penalty", "only presence_penalty and frequency_penalty are implemented")
-    if req.logit_bias:
-        raise unsupported("logit_bias", "logit bias is not implemented")
 
 
 def _prompt_list(prompt: Any) -> list[Any]:
@@ -158,10 +149,21 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
             stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=bool(req.ignore_eos), n=req.n or 1, logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0, logit_bias=_logit_bias(req.logit_bias, model),
             speculative=req.speculative is not False,
             output_kind="delta" if req.stream else "final")  # a full response is read once, at the end
     except ValueError as err:  # e.g. min_tokens > max_tokens
         raise bad_request(str(err)) from None
+
+
+def _logit_bias(bias: dict[str, float] | None, model: Any) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON keys) -> {id: bias}, each bias clamped to [-100, 100] as vLLM does."""
+    try:
+        ids = {int(key): value for key, value in (bias or {}).items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+    _check_token_ids(list(ids), model, "logit_bias")
+    return {token: min(max(value, -100.0), 100.0) for token, value in ids.items()}
 
 
 def _room(prompts: list[list[int]], max_model_len: int) -> int:

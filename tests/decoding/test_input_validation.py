@@ -66,8 +66,11 @@ def test_engine_rejects_prompt_ids_outside_the_vocabulary(engine, prompt, messag
 
 
 def test_engine_rejects_stop_token_ids_past_the_vocabulary(engine):
-    with pytest.raises(ValueError, match=rf"stop_token_ids \[{VOCAB + 1}\] are past the model's vocabulary"):
+    with pytest.raises(ValueError, match=rf"stop_token_ids names token ids \[{VOCAB + 1}\] past the model's vocab"):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=[2, VOCAB + 1]))
+    with pytest.raises(ValueError, match=rf"logit_bias names token ids \[{VOCAB}\] past the model's vocabulary"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, logit_bias={1: 5.0, VOCAB: -5.0}))
+    assert not engine.has_unfinished()
 
 
 def test_engine_rejects_trees_deeper_than_the_heads():

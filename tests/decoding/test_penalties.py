@@ -1,5 +1,5 @@
-"""presence_penalty / frequency_penalty on the engine: applied along each tree node's own path,
-so Medusa with penalties equals plain decoding with penalties (greedy and seeded sampling)."""
+"""logit_bias, repetition_penalty, presence_penalty and frequency_penalty on the engine: applied along each tree
+node's own path, so Medusa with them equals plain decoding with them (greedy and seeded sampling)."""
 
 import pytest
 import torch
@@ -11,7 +11,11 @@ from engine_driver import force_overlap, random_prompts, single_thread
 from tiny_models import tiny_decoder
 
 VOCAB = 12  # small, so penalties bite often and the heads' drafts still get accepted
-PENALTIES = [(0.0, 0.7), (0.9, 0.0), (0.4, 0.3), (-0.5, 0.0), (0.0, -0.6), (2.0, 2.0)]  # (presence, frequency)
+PENALTIES = [dict(frequency_penalty=0.7), dict(presence_penalty=0.9),
+             dict(presence_penalty=0.4, frequency_penalty=0.3), dict(presence_penalty=-0.5),
+             dict(frequency_penalty=-0.6), dict(presence_penalty=2.0, frequency_penalty=2.0),
+             dict(repetition_penalty=1.8), dict(repetition_penalty=0.6), dict(logit_bias={3: 2.5, 7: -4.0}),
+             dict(logit_bias={5: 1.5}, repetition_penalty=1.4, frequency_penalty=0.2)]
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
@@ -29,22 +33,29 @@ def prompts(n, seed=0):
     return random_prompts(n, VOCAB, 12, seed)
 
 
-def penalized(logits, output, presence, frequency):
-    """OpenAI's rule, written independently of the engine: counts over the output only."""
+def penalized(logits, prompt, output, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+              logit_bias=None):
+    """vLLM's rules, written independently of the engine: the bias, then the repetition penalty over the prompt and
+    the output, then OpenAI's presence / frequency penalties over the output only."""
+    logits = logits.float().clone()
+    for token, bias in (logit_bias or {}).items():
+        logits[token] += bias
     counts = torch.zeros(logits.shape[-1])
     for token in output:
         counts[token] += 1
-    return logits.float() - frequency * counts - presence * (counts > 0).float()
+    for token in set(prompt) | set(output):
+        logits[token] = logits[token] / repetition_penalty if logits[token] > 0 else logits[token] * repetition_penalty
+    return logits - frequency_penalty * counts - presence_penalty * (counts > 0).float()
 
 
 @torch.no_grad()
-def reference_greedy(model, prompt, max_tokens, presence, frequency):
+def reference_greedy(model, prompt, max_tokens, **penalties):
     """Batch 1, full recompute each step: no cache, no tree."""
     output = []
     for _ in range(max_tokens):
         ids = torch.tensor(prompt + output)
         logits = model.compute_logits(model(ids, torch.arange(len(ids)), CausalAttention()))[-1]
-        output.append(int(penalized(logits, output, presence, frequency).argmax()))
+        output.append(int(penalized(logits, prompt, output, **penalties).argmax()))
     return output
 
 
@@ -56,11 +67,11 @@ def test_medusa_greedy_with_penalties_equals_plain_greedy(tiny):
     model, heads = tiny
     ps = prompts(3)
     accepted = 0
-    for presence, frequency in PENALTIES:
-        params = SamplingParams(max_tokens=16, presence_penalty=presence, frequency_penalty=frequency)
+    for penalties in PENALTIES:
+        params = SamplingParams(max_tokens=16, **penalties)
         outs = engine(model, heads).generate(ps, params)  # batched, every row on the host path
         for p, out in zip(ps, outs):
-            assert out.token_ids == reference_greedy(model, p, 16, presence, frequency), (presence, frequency, p)
+            assert out.token_ids == reference_greedy(model, p, 16, **penalties), (penalties, p)
             accepted += out.stats.accepted_tokens
     assert accepted > 0  # drafts were accepted, so multi-token paths were penalized node by node
 
@@ -68,10 +79,10 @@ def test_medusa_greedy_with_penalties_equals_plain_greedy(tiny):
 def test_plain_engine_with_penalties_equals_reference(tiny):
     model, _ = tiny
     p = prompts(1, seed=1)[0]
-    for presence, frequency in PENALTIES[:3]:
-        params = SamplingParams(max_tokens=12, presence_penalty=presence, frequency_penalty=frequency)
+    for penalties in PENALTIES[:3] + PENALTIES[-4:]:
+        params = SamplingParams(max_tokens=12, **penalties)
         out = engine(model, None).generate([p], params)[0]
-        assert out.token_ids == reference_greedy(model, p, 12, presence, frequency)
+        assert out.token_ids == reference_greedy(model, p, 12, **penalties), penalties
     # penalties change what is chosen, never the logprobs reported: those stay the raw model's
     medusa = engine(model, tiny[1])
     medusa.add_request(p, SamplingParams(max_tokens=12, frequency_penalty=1.5, logprobs=2))
@@ -80,7 +91,7 @@ def test_plain_engine_with_penalties_equals_reference(tiny):
         for out in medusa.step():
             tokens += out.new_token_ids
             logprobs += out.new_logprobs
-    assert tokens == reference_greedy(model, p, 12, 0.0, 1.5)
+    assert tokens == reference_greedy(model, p, 12, frequency_penalty=1.5)
     ids = torch.tensor(p + tokens)
     with torch.no_grad():
         raw = torch.log_softmax(model.compute_logits(model(ids, torch.arange(len(ids)), CausalAttention())), -1)
@@ -94,7 +105,8 @@ def test_plain_engine_with_penalties_equals_reference(tiny):
 def test_seeded_sampling_with_penalties_is_batch_invariant_and_lossless(tiny):
     model, heads = tiny
     p = [1, 2, 3]
-    params = SamplingParams(max_tokens=32, temperature=0.6, seed=7, presence_penalty=1.5, frequency_penalty=0.5)
+    params = SamplingParams(max_tokens=32, temperature=0.6, seed=7, presence_penalty=1.5, frequency_penalty=0.5,
+                            repetition_penalty=1.3, logit_bias={2: 1.0})
     alone_out = engine(model, heads).generate([p], params)[0]
     alone = alone_out.token_ids
     assert alone_out.stats.accepted_tokens > 0
@@ -116,3 +128,31 @@ def test_penalty_validation_names_the_field(name, value):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**{name: value})
     assert getattr(SamplingParams(**{name: -2}), name) == -2.0
+
+
+def test_penalties_change_the_greedy_output():
+    """Each rule bites on this tiny model (else the equality tests above would prove nothing for it)."""
+    model, _ = tiny_decoder(VOCAB, logit_scale=3, num_heads=4)
+    p = prompts(1, seed=3)[0]
+    plain = reference_greedy(model, p, 16)
+    for penalties in PENALTIES:
+        assert reference_greedy(model, p, 16, **penalties) != plain, penalties
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(repetition_penalty=0), "repetition_penalty must be a number > 0"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(repetition_penalty="2"), "repetition_penalty"),
+    (dict(logit_bias={1: 101}), r"logit_bias values must be numbers in \[-100, 100\]"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias keys must be token ids"), (dict(logit_bias={"3": 1.0}), "logit_bias keys"),
+    (dict(logit_bias=[(2, 1.0), (2, 3.0)]), "logit_bias names a token twice"),
+    (dict(logit_bias=5), "logit_bias must map"),
+])
+def test_bias_and_repetition_validation_names_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_is_kept_as_sorted_pairs():
+    params = SamplingParams(logit_bias={9: -1, 2: 0.5})
+    assert params.logit_bias == ((2, 0.5), (9, -1.0)) and params.has_penalties and hash(params)
+    assert SamplingParams(repetition_penalty=1).has_penalties is False

@@ -61,12 +61,16 @@ BAD = [
     (CHAT, chat(presence_penalty=-2.5), 400, "presence_penalty"),
     (CHAT, chat(frequency_penalty=3), 400, "frequency_penalty"),
     (CHAT, chat(presence_penalty="1"), 400, "presence_penalty"),
-    (CHAT, chat(repetition_penalty=1.2), 400, "repetition_penalty"),
+    (CHAT, chat(repetition_penalty=0), 400, "repetition_penalty"),
+    (CHAT, chat(repetition_penalty="1.2"), 400, "repetition_penalty"),
     (CHAT, chat(logprobs=5), 400, "logprobs"),
     (CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
     (CHAT, chat(min_tokens=9), 400, None),
-    (CHAT, chat(logit_bias={"1": 5}), 400, "logit_bias"),
+    (CHAT, chat(logit_bias={"one": 5}), 400, "logit_bias"),
+    (CHAT, chat(logit_bias={"99999999": 5}), 400, "logit_bias"),
+    (CHAT, chat(logit_bias={"-1": 5}), 400, "logit_bias"),
+    (CHAT, chat(logit_bias={"1": "5"}), 400, "logit_bias"),
     (CHAT, chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     (CHAT, chat(messages=[{"role": "user", "content": "hello " * 5000}]), 400, None),
@@ -124,10 +128,13 @@ def test_server_keeps_serving_and_ignores_unknown_fields(tiny_client):
 
 
 def test_penalties_are_served(tiny_client):
-    """presence / frequency penalties in [-2, 2] (ints too) run; the engine applies them per tree node."""
+    """presence / frequency penalties in [-2, 2] (ints too), repetition_penalty and logit_bias run; the engine
+    applies them per tree node."""
     for path, body in [(CHAT, chat(presence_penalty=0.5, frequency_penalty=-1.5, temperature=0)),
                        (CHAT, chat(presence_penalty=2, frequency_penalty=-2, stream=True)),
-                       (COMP, comp(frequency_penalty=1, seed=3))]:
+                       (COMP, comp(frequency_penalty=1, seed=3)),
+                       (CHAT, chat(repetition_penalty=1.3, logit_bias={"42": 250, "7": -100})),
+                       (COMP, comp(repetition_penalty=0.8, logit_bias={"3": 1}, stream=True))]:
         resp = post(tiny_client, path, body)
         assert resp.status_code == 200, resp.text
 
@@ -148,6 +155,9 @@ def test_penalties_reach_the_engine(tiny_model):
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0) and params.has_penalties
     params = completion_job(CompletionRequest.model_validate_json(json.dumps(comp())), tiny_model, 96).params
     assert (params.presence_penalty, params.frequency_penalty) == (0.0, 0.0) and not params.has_penalties
+    body = chat(repetition_penalty=1.25, logit_bias={"42": 250, "7": -3.5})
+    params = chat_job(ChatCompletionRequest.model_validate_json(json.dumps(body)), tiny_model, 96).params
+    assert params.repetition_penalty == 1.25 and params.logit_bias == ((7, -3.5), (42, 100.0))  # clamped, as vLLM
 
 
 def test_api_key(tiny_model):
