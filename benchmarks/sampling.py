@@ -28,10 +28,11 @@ def time_draws(rows: int, nodes: int, vocab: int, filtered: bool | None) -> floa
     temperature = torch.full((rows,), 0.7, device="cuda")
     top_k = torch.zeros(rows, dtype=torch.long, device="cuda")
     top_p = torch.ones(rows, device="cuda")
+    min_p = torch.zeros(rows, device="cuda")
     uniforms = torch.rand(rows, nodes, dtype=torch.float64, device="cuda", generator=g)
     if filtered is None:
         return median_ms(lambda: top_k_indices(logits, 1))
-    return median_ms(lambda: sampled_targets(logits, temperature, top_k, top_p, uniforms, filtered=filtered))
+    return median_ms(lambda: sampled_targets(logits, temperature, top_k, top_p, min_p, uniforms, filtered=filtered))
 
 
 @torch.inference_mode()  # the kernels serve inference only (kernels/dispatch.py)

@@ -65,14 +65,14 @@ def compaction_slots(tree: DeviceTree, slots: torch.Tensor, best: torch.Tensor) 
 
 
 def sampled_targets(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    uniforms: torch.Tensor, filtered: bool = True) -> torch.Tensor:
+                    min_p: torch.Tensor, uniforms: torch.Tensor, filtered: bool = True) -> torch.Tensor:
     """Each node's target drawn from its row's processed distribution by the Gumbel-max trick.
 
-    logits [B, N, V]; temperature, top_p [B] float; top_k [B] long (0 = off);
+    logits [B, N, V]; temperature, top_p, min_p [B] float; top_k [B] long (0 = off);
     uniforms [B, N] float64 in [0, 1), each keying its node's noise. Row by row this
     is exactly the seeded `TokenSampler` draw, so a seeded request gets the same
     tokens here as on the host path.
-    filtered=False: no row has top-k or top-p (the caller knows), so the sort that finds
+    filtered=False: no row has min-p, top-k or top-p (the caller knows), so the sort that finds
     their cutoffs is skipped; a row without filters draws the same token either way.
     """
     batch, n, vocab = logits.shape
@@ -80,7 +80,7 @@ def sampled_targets(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     per_node = lambda t: t[:, None].expand(batch, n).reshape(-1)  # noqa: E731  [B] -> [B * N]
     temperature = per_node(temperature.float())
     if filtered:
-        cutoff = filter_cutoffs(flat, temperature, per_node(top_k), per_node(top_p))
+        cutoff = filter_cutoffs(flat, temperature, per_node(top_k), per_node(top_p), per_node(min_p))
     else:
         cutoff = torch.full((batch * n,), float("-inf"), device=logits.device)
     return gumbel_argmax(flat, temperature, cutoff, uniforms.reshape(-1)).view(batch, n)

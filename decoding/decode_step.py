@@ -67,10 +67,11 @@ class RowSampling:
     top_k: int
     top_p: float
     uniforms: np.ndarray  # [M + D + 1]: from the host's output count on, M the tokens of steps in flight
+    min_p: float = 0.0
 
     @property
     def filters(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
 @dataclass
@@ -163,6 +164,7 @@ class DecodeStep:
         self.temperature = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
         self.top_k = torch.zeros(max_seqs, **long)
         self.top_p = torch.ones(max_seqs, dtype=torch.float32, device=self.device)
+        self.min_p = torch.zeros(max_seqs, dtype=torch.float32, device=self.device)
         # [B, M + D + 1 ...] from the host's output count on; a row's step picks its window at the device's
         # count, up to `steps_ahead` steps (each up to a tree's depth + 1 tokens) past the host's
         self.uniforms = torch.zeros(max_seqs, (steps_ahead + 1) * max_tree, dtype=torch.float64, device=self.device)
@@ -297,6 +299,7 @@ class DecodeStep:
         upload(self.temperature, np.array([r.temperature if r else 1.0 for r in rows], dtype=np.float32))
         upload(self.top_k, np.array([r.top_k if r else 0 for r in rows], dtype=np.int64))
         upload(self.top_p, np.array([r.top_p if r else 1.0 for r in rows], dtype=np.float32))
+        upload(self.min_p, np.array([r.min_p if r else 0.0 for r in rows], dtype=np.float32))
         width = self.uniforms.shape[1]
         uniforms = np.zeros((padded, width), dtype=np.float64)
         for i, r in enumerate(rows):
@@ -421,7 +424,8 @@ class DecodeStep:
             root_window = base - self.known_base[:padded]  # [Bp]
             uniforms = self._uniforms_at(root_window[:, None] + tree.depths[None])  # [Bp, N]
             drawn = sampled_targets(logits.view(padded, n, -1), self.temperature[:padded], self.top_k[:padded],
-                                    self.top_p[:padded], uniforms, filtered=sampling == FILTERED)
+                                    self.top_p[:padded], self.min_p[:padded], uniforms,
+                                    filtered=sampling == FILTERED)
             targets = torch.where(self.sampled[:padded, None], drawn, targets)
         verdict(tree, candidates, targets, self.best[:padded], self.next[:padded])
         return _Part1(candidates, hidden, logits, prompt_hidden, root_window)

@@ -499,6 +499,7 @@ class LLMEngine:
             raw[at][:, None, :], to_device([r.temperature for r in rows], torch.float32, self.device),
             to_device([r.top_k for r in rows], torch.long, self.device),
             to_device([r.top_p for r in rows], torch.float32, self.device),
+            to_device([r.min_p for r in rows], torch.float32, self.device),
             to_device(np.array([r.uniforms[:1] for r in rows]), torch.float64, self.device),
             filtered=any(r.filters for r in rows))  # [s, 1]
         return argmax.index_copy(0, at, drawn[:, 0])
@@ -646,7 +647,7 @@ class LLMEngine:
         reach = request.seq.num_inflight_tokens + tree.spec.max_depth + 1 + step.num_heads if tree is not None else 1
         start = request.seq.num_output_tokens + request.first_pending
         uniforms = request.sampler.window(start, min(reach, step.uniforms.shape[1]))
-        return RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, uniforms)
+        return RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, uniforms, sampling.min_p)
 
     # ---- helpers ---------------------------------------------------------
 

@@ -20,6 +20,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k filter
     seed: int | None = None
+    min_p: float = 0.0  # keep tokens at least this fraction of the most likely one's probability (0 = off)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -28,11 +29,13 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def filters(self) -> bool:
-        """Whether top-k or top-p removes tokens (a sort of the vocabulary finds which)."""
-        return bool(self.top_k) or self.top_p < 1
+        """Whether min-p, top-k or top-p removes tokens (a sort of the vocabulary finds which)."""
+        return bool(self.top_k) or self.top_p < 1 or self.min_p > 0
 
     @property
     def greedy(self) -> bool:
@@ -41,7 +44,7 @@ class SamplingConfig:
 
 
 def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k and top-p."""
+    """[..., V] logits -> [..., V] float32 probabilities after temperature, min-p, top-k and top-p."""
     x = logits.float()
     if not config.filters:
         return torch.softmax(x / config.temperature, dim=-1)
@@ -51,17 +54,22 @@ def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
 
 
 def filter_cutoffs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
-    """logits [R, V]; temperature, top_p [R] float; top_k [R] long (0: off) -> [R] float32: the lowest
-    logit each row's top-k and top-p filters keep (-inf where neither filters), so that a token is kept
-    when its logit is at least that. Top-p keeps the most likely tokens, in order, until the mass before
-    the next one reaches top_p, on the distribution left by top-k at this temperature; a token tied
-    with the last one kept is kept too (which of equal logits a sort puts first is arbitrary)."""
+                   top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [R, V]; temperature, top_p, min_p [R] float; top_k [R] long (0: off) -> [R] float32: the
+    lowest logit each row's filters keep (-inf where none filters), so that a token is kept when its logit
+    is at least that. vLLM's order: min-p keeps the tokens whose probability at this temperature is at least
+    min_p times the most likely one's (a logit at least the top one's + T log min_p); then top-k; then
+    top-p keeps the most likely tokens, in order, until the mass before the next one reaches top_p, on the
+    distribution the other two left. A token tied with the last one kept is kept too (which of equal
+    logits a sort puts first is arbitrary)."""
     x = logits.float()
     vocab = x.shape[-1]
     ordered = x.sort(dim=-1, descending=True).values  # [R, V]; 1 / T keeps the order
     kth = ordered.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])[:, 0]
     k_cut = torch.where((top_k > 0) & (top_k < vocab), kth, float("-inf"))
+    if min_p is not None:  # both cut a prefix of the order: the stricter one holds
+        m_cut = ordered[:, 0] + temperature.float() * torch.log(min_p.float().clamp(min=1e-30))
+        k_cut = torch.maximum(k_cut, torch.where(min_p > 0, m_cut, float("-inf")))
     scaled = (ordered / temperature[:, None].float()).masked_fill(ordered < k_cut[:, None], float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     before = probs.cumsum(-1) - probs  # mass of the tokens ahead in the order
@@ -72,10 +80,11 @@ def filter_cutoffs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
 
 def _per_row(config: SamplingConfig, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """config's temperature, top_k, top_p as [rows] tensors (filter_cutoffs' arguments)."""
+    """config's temperature, top_k, top_p, min_p as [rows] tensors (filter_cutoffs' arguments)."""
     return (torch.full((rows,), config.temperature, device=device),
             torch.full((rows,), config.top_k, dtype=torch.long, device=device),
-            torch.full((rows,), config.top_p, device=device))
+            torch.full((rows,), config.top_p, device=device),
+            torch.full((rows,), config.min_p, device=device))
 
 
 class TokenSampler:
@@ -110,8 +119,8 @@ class TokenSampler:
             uniforms = torch.rand(rows, dtype=torch.float64, device=logits.device)  # no copy up from the host
         else:
             uniforms = self.uniforms(self.seed, positions)
-        temperature, top_k, top_p = _per_row(config, rows, logits.device)
-        cutoff = filter_cutoffs(logits, temperature, top_k, top_p) if config.filters else \
+        temperature, top_k, top_p, min_p = _per_row(config, rows, logits.device)
+        cutoff = filter_cutoffs(logits, temperature, top_k, top_p, min_p) if config.filters else \
             torch.full((rows,), float("-inf"), device=logits.device)
         return gumbel_argmax(logits, temperature, cutoff, uniforms.to(logits.device))
 

@@ -15,6 +15,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # vLLM's: keep tokens at least this fraction of the most likely one's probability
     seed: int | None = None  # same seed, same output, whatever else is in the batch
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -77,7 +78,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.output_kind not in ("delta", "final"):
             raise ValueError(f"output_kind must be 'delta' or 'final', got {self.output_kind!r}")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -90,7 +91,8 @@ class SamplingParams:
                 or bool(self.logit_bias))
 
     def sampling(self) -> SamplingConfig:
-        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                              min_p=self.min_p)
 
 
 def _is_int(value) -> bool:

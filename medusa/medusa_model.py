@@ -159,7 +159,7 @@ class MedusaModel:
                  max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False,
                  speculative: bool = True, tree: TreeSpec | str | None = None, acceptance: str = "auto",
-                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3):
+                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, min_p: float = 0.0):
         """Generate from a prompt string, chat messages, or token ids.
 
         Greedy (temperature 0) output is identical to plain greedy decoding;
@@ -174,15 +174,15 @@ class MedusaModel:
                                  "its own tree per step and uses the lossless rule: pass one prompt for "
                                  "stream=, tree= or acceptance=")
             params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    seed=seed, stop=tuple(stops))
+                                    seed=seed, stop=tuple(stops), min_p=min_p)
             return self._generate_batch(list(inputs), params, speculative)
         prompt_ids = self.encode(inputs)
         if self._on_engine(tree, acceptance):
             params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    seed=seed, stop=tuple(stops))
+                                    seed=seed, stop=tuple(stops), min_p=min_p)
             chunks = self._run_engine(prompt_ids, params, speculative)
             return _finish(chunks, stream)
-        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
         accept = AcceptanceConfig(rule=acceptance, posterior_threshold=posterior_threshold,
                                   posterior_alpha=posterior_alpha)
         decoder = self.decoder(tree if speculative else "single")

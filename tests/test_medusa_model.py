@@ -73,6 +73,18 @@ def test_seeded_sampling_is_reproducible_and_typical_runs(model):
     assert len(typical.token_ids) == 24 or typical.finish_reason == "stop"
 
 
+def test_min_p_reaches_both_paths_and_stays_lossless(model):
+    """Seeded sampling with min_p: speculation gives plain decoding's text on the batch-1 decoder and on the
+    engine (a list of prompts), and a strict min_p changes what a loose temperature samples."""
+    options = dict(max_new_tokens=20, temperature=1.5, seed=5, min_p=0.2)
+    medusa = model.chat(QUESTION, **options)
+    assert medusa.token_ids == model.chat(QUESTION, speculative=False, **options).token_ids
+    assert medusa.token_ids != model.chat(QUESTION, max_new_tokens=20, temperature=1.5, seed=5).token_ids
+    batch = model.generate(["Hello", "The capital of France is"], **options)
+    alone = model.generate(["The capital of France is"], speculative=False, **options)
+    assert batch[1].token_ids == alone[0].token_ids
+
+
 def test_list_of_prompts_returns_a_list(model):
     outs = model.generate(["Hello", "The capital of France is"], max_new_tokens=4)
     assert isinstance(outs, list) and len(outs) == 2 and all(len(o.token_ids) == 4 for o in outs)

@@ -144,7 +144,7 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0),
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0,
             seed=None if req.seed is None else req.seed % 2**63,  # any int64 or uint64 -> the sampler's [0, 2**63)
             stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=bool(req.ignore_eos), n=req.n or 1, logprobs=logprobs,

@@ -34,6 +34,7 @@ class _SamplingRequest(_Strict):
     temperature: float | None = Field(None, ge=0)  # None: OpenAI's default, 1
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, lt=_INT64)  # -1 or 0: no top-k filter (vLLM's convention)
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's: 0 is off
     n: int | None = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

@@ -76,15 +76,17 @@ def test_batched_sampling_equals_the_host_sampler_row_by_row():
     from medusa.decoding.sampler import TokenSampler, target_probs
 
     g = torch.Generator().manual_seed(3)
-    batch, n, vocab = 5, 7, 50
+    batch, n, vocab = 7, 7, 50
     logits = torch.randn(batch, n, vocab, generator=g) * 3
     configs = [SamplingConfig(temperature=0.7), SamplingConfig(temperature=1.3, top_k=5),
                SamplingConfig(temperature=0.9, top_p=0.6), SamplingConfig(temperature=1.0, top_k=20, top_p=0.9),
-               SamplingConfig(temperature=0.5, top_k=vocab)]
+               SamplingConfig(temperature=0.5, top_k=vocab), SamplingConfig(temperature=0.8, min_p=0.1),
+               SamplingConfig(temperature=1.4, min_p=0.05, top_k=12, top_p=0.8)]
     positions = torch.arange(n) + 11
     uniforms = torch.stack([TokenSampler.uniforms(100 + b, positions) for b in range(batch)])
     got = sampled_targets(logits, torch.tensor([c.temperature for c in configs]),
-                          torch.tensor([c.top_k for c in configs]), torch.tensor([c.top_p for c in configs]), uniforms)
+                          torch.tensor([c.top_k for c in configs]), torch.tensor([c.top_p for c in configs]),
+                          torch.tensor([c.min_p for c in configs]), uniforms)
     for b, config in enumerate(configs):
         want = TokenSampler(100 + b)(logits[b], config, positions)
         assert got[b].tolist() == want.tolist(), b
@@ -106,7 +108,7 @@ def test_sampling_without_filters_skips_the_sorts_and_draws_the_same_tokens():
     temperature = torch.tensor([0.3, 0.7, 1.0, 1.6])
     positions = torch.arange(n) + 3
     uniforms = torch.stack([TokenSampler.uniforms(7 + b, positions) for b in range(batch)])
-    args = (logits, temperature, torch.zeros(batch, dtype=torch.long), torch.ones(batch), uniforms)
+    args = (logits, temperature, torch.zeros(batch, dtype=torch.long), torch.ones(batch), torch.zeros(batch), uniforms)
     full = sampled_targets(*args)
     with mock.patch.object(torch.Tensor, "sort", side_effect=AssertionError("sorted")), \
             mock.patch.object(torch, "sort", side_effect=AssertionError("sorted")):
@@ -123,9 +125,9 @@ def test_a_steps_sampling_kind_follows_its_rows_filters():
 
     model, heads = tiny_decoder(24, logit_scale=3, num_heads=2)
     step = LLMEngine(model, heads).runner.decode
-    row = lambda top_k=0, top_p=1.0: RowSampling(0.8, top_k, top_p, np.zeros(4))  # noqa: E731
+    row = lambda top_k=0, top_p=1.0, min_p=0.0: RowSampling(0.8, top_k, top_p, np.zeros(4), min_p)  # noqa: E731
     for rows, kind in (([None, None], GREEDY), ([None, row()], SAMPLED), ([row(), row(top_p=0.9)], FILTERED),
-                       ([row(top_k=5), None], FILTERED)):
+                       ([row(top_k=5), None], FILTERED), ([row(min_p=0.1), row()], FILTERED)):
         step._prepare_sampling(rows, 2)
         assert step.sampling_step == kind, rows
 

@@ -127,6 +127,19 @@ def test_graph_engine_seeded_draws_are_the_same_with_and_without_the_filters(def
     assert {key[2] for key in engine.runner.decode._graphs} >= {1, 2}  # both sampling kinds ran as graphs
 
 
+def test_graph_engine_min_p_draws_what_plain_decoding_draws(default_model_dir):
+    """min_p rows replay the FILTERED graphs, reading their cutoff from the step's min_p buffer: a seeded request
+    draws plain decoding's tokens, beside rows with other filters."""
+    model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
+    prompt = model.encode([{"role": "user", "content": "Write a haiku about the sea."}])
+    seeded = SamplingParams(max_tokens=32, temperature=1.3, seed=9, min_p=0.1)
+    plain = model.engine(speculative=False).generate([prompt], seeded)[0].token_ids
+    others = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9), SamplingParams(max_tokens=32, min_p=0.3,
+                                                                                        temperature=1.0)]
+    mixed = model.engine().generate([prompt] * 3, [seeded] + others)
+    assert mixed[0].token_ids == plain
+
+
 def test_graph_engine_with_prompt_lookup_matches_plain_greedy(default_model_dir):
     """The lookup chain's tokens travel in the step's input copy and are read inside the graphs."""
     model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32, prompt_lookup=4)

@@ -105,16 +105,20 @@ def test_abort_mid_generation_frees_blocks(tiny):
     assert not engine.abort("no-such-request")
 
 
-def test_seeded_sampling_is_batch_invariant(tiny):
+@pytest.mark.parametrize("filters", [{}, {"min_p": 0.15}, {"min_p": 0.05, "top_k": 6, "top_p": 0.9}])
+def test_seeded_sampling_is_batch_invariant(tiny, filters):
     model, heads = tiny
-    params = SamplingParams(max_tokens=20, temperature=1.0, seed=11)
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=11, **filters)
     alone = make_engine(model, heads).generate([[1, 2, 3]], params)[0].token_ids
-    others = [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in range(15)]
+    others = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, min_p=0.1 * (s % 3)) for s in range(15)]
     batch = make_engine(model, heads).generate([[1, 2, 3]] + prompts(15, seed=3), [params] + others)
     assert batch[0].token_ids == alone
     # a seeded draw depends only on (seed, output position): plain decoding samples the same text
     plain = make_engine(model, None).generate([[1, 2, 3]], params)[0].token_ids
     assert plain == alone
+    if filters:  # and the filters did something
+        unfiltered = SamplingParams(max_tokens=20, temperature=1.0, seed=11)
+        assert make_engine(model, None).generate([[1, 2, 3]], unfiltered)[0].token_ids != alone
 
 
 def test_prefix_caching_shares_blocks_and_keeps_outputs(tiny):
@@ -413,6 +417,6 @@ def test_a_sampled_rows_head_proposals_are_drawn_with_the_noise_of_their_positio
     assert got.shape == top.shape and torch.equal(got[:, 1], top[:, 1])  # the greedy row
     for k in range(step.num_heads):
         drawn = sampled_targets(head_logits[k, :1, None], step.temperature[:1], torch.zeros(1, dtype=torch.long),
-                                torch.ones(1), step.uniforms[:1, 3 + k, None])
+                                torch.ones(1), torch.zeros(1), step.uniforms[:1, 3 + k, None])
         assert got[k, 0, 0] == drawn[0, 0], k
     assert not torch.equal(got[:, 0], top[:, 0])  # the noise moved some proposals

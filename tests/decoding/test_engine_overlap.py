@@ -222,10 +222,11 @@ def test_sampled_first_tokens_are_drawn_on_the_device_and_read_a_step_late(tiny)
     first token at once: it is drawn on the device as a step draws its targets, the next step's draws start
     at output 1, and every token equals the synchronous engine's (which draws the first one on the host)."""
     model, heads = tiny
-    ps = random_prompts(4, VOCAB, 30, seed=21)
+    ps = random_prompts(5, VOCAB, 30, seed=21)
     params = [SamplingParams(max_tokens=14, temperature=0.9, seed=31), SamplingParams(max_tokens=14),
               SamplingParams(max_tokens=14, temperature=1.2, top_k=6, seed=32),
-              SamplingParams(max_tokens=14, temperature=0.7, top_p=0.8, seed=33)]
+              SamplingParams(max_tokens=14, temperature=0.7, top_p=0.8, seed=33),
+              SamplingParams(max_tokens=14, temperature=1.1, min_p=0.1, seed=34)]
     for h, alternate in ((None, False), (heads, True)):
         engine = engine_for(model, h, True, alternate=alternate)
         ids = [engine.add_request(p, sp) for p, sp in zip(ps, params)]

@@ -6,6 +6,8 @@ chi-square goodness-of-fit tests. As a control, Medusa's typical acceptance (a
 deliberately lossy rule) must fail the same test: the test has teeth.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -59,7 +61,7 @@ def draw(model, heads, sampling, acceptance, n):
     # integers are measurably correlated, which plain sampling shows too.
     seeds = torch.randint(2**62, (n,), generator=torch.Generator().manual_seed(1234)).tolist()
     for seed in seeds:
-        params = SamplingConfig(sampling.temperature, sampling.top_p, sampling.top_k, seed=seed)
+        params = dataclasses.replace(sampling, seed=seed)
         tokens = []
         for chunk in decoder.decode(PROMPT, NEW, params, acceptance):
             tokens += chunk
@@ -83,7 +85,8 @@ def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0),
-                                      SamplingConfig(temperature=0.7, top_k=6, top_p=0.9)])
+                                      SamplingConfig(temperature=0.7, top_k=6, top_p=0.9),
+                                      SamplingConfig(temperature=1.2, min_p=0.08)])
 def test_lossless_rule_matches_base_distribution(tiny, sampling):
     model, heads = tiny
     joint = exact_joint(model, sampling)
@@ -162,6 +165,41 @@ def test_filter_cutoffs_keep_top_k_then_the_top_p_nucleus_and_ties():
     # top-p acts on what top-k leaves: top-2 renormalised is 4/7, 3/7, so top_p 0.5 keeps one token
     one = filter_cutoffs(logits[:1], torch.ones(1), torch.tensor([2]), torch.tensor([0.5]))
     assert one[0] == logits[0, 0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_min_p_keeps_what_the_probability_rule_keeps_then_top_k_and_top_p_act_on_the_rest(seed):
+    """vLLM's rule, in probabilities: at temperature T keep tokens with p >= min_p * max p; then top-k, then top-p
+    renormalised over what is left."""
+    from medusa.decoding.sampler import SamplingConfig, filter_cutoffs, target_probs
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 40, generator=g) * 3
+    temperature = torch.tensor([0.5, 1.0, 1.7, 1.0, 0.8, 1.2])
+    min_p = torch.tensor([0.05, 0.2, 0.01, 0.0, 1.0, 0.1])
+    top_k = torch.tensor([0, 0, 0, 0, 0, 3])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.7])
+    cut = filter_cutoffs(logits, temperature, top_k, top_p, min_p)
+    for r in range(6):
+        probs = torch.softmax(logits[r] / temperature[r], -1)
+        kept = probs >= min_p[r] * probs.max()
+        if r == 5:  # top-k then the nucleus of the renormalised rest
+            order = probs.masked_fill(~kept, 0).sort(descending=True)
+            kept_k = torch.zeros_like(kept)
+            kept_k[order.indices[:3]] = True
+            kept &= kept_k
+            rest = probs.masked_fill(~kept, 0) / probs.masked_fill(~kept, 0).sum()
+            ranked = rest.sort(descending=True)
+            before = ranked.values.cumsum(0) - ranked.values
+            nucleus = torch.zeros_like(kept)
+            nucleus[ranked.indices[before < 0.7]] = True
+            kept &= nucleus
+        assert torch.equal(logits[r] >= cut[r], kept), r
+    assert (logits[3] >= cut[3]).all() and (logits[4] >= cut[4]).sum() == 1  # min_p 0 keeps all, 1 the top only
+    config = SamplingConfig(temperature=0.9, min_p=0.3)
+    probs = target_probs(logits[:1], config)[0]
+    assert torch.equal(probs > 0, torch.softmax(logits[0] / 0.9, -1) >= 0.3 * torch.softmax(logits[0] / 0.9, -1).max())
+    assert probs.sum().item() == pytest.approx(1.0)
 
 
 def test_filter_cutoffs_survive_the_rows_a_step_pads_with():

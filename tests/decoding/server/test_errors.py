@@ -61,6 +61,8 @@ BAD = [
     (CHAT, chat(presence_penalty=-2.5), 400, "presence_penalty"),
     (CHAT, chat(frequency_penalty=3), 400, "frequency_penalty"),
     (CHAT, chat(presence_penalty="1"), 400, "presence_penalty"),
+    (CHAT, chat(min_p=1.5), 400, "min_p"),
+    (COMP, comp(min_p=-0.1), 400, "min_p"),
     (CHAT, chat(repetition_penalty=0), 400, "repetition_penalty"),
     (CHAT, chat(repetition_penalty="1.2"), 400, "repetition_penalty"),
     (CHAT, chat(logprobs=5), 400, "logprobs"),
@@ -134,7 +136,8 @@ def test_penalties_are_served(tiny_client):
                        (CHAT, chat(presence_penalty=2, frequency_penalty=-2, stream=True)),
                        (COMP, comp(frequency_penalty=1, seed=3)),
                        (CHAT, chat(repetition_penalty=1.3, logit_bias={"42": 250, "7": -100})),
-                       (COMP, comp(repetition_penalty=0.8, logit_bias={"3": 1}, stream=True))]:
+                       (COMP, comp(repetition_penalty=0.8, logit_bias={"3": 1}, stream=True)),
+                       (CHAT, chat(min_p=0.1, temperature=1.0, seed=1))]:
         resp = post(tiny_client, path, body)
         assert resp.status_code == 200, resp.text
 
@@ -158,6 +161,9 @@ def test_penalties_reach_the_engine(tiny_model):
     body = chat(repetition_penalty=1.25, logit_bias={"42": 250, "7": -3.5})
     params = chat_job(ChatCompletionRequest.model_validate_json(json.dumps(body)), tiny_model, 96).params
     assert params.repetition_penalty == 1.25 and params.logit_bias == ((7, -3.5), (42, 100.0))  # clamped, as vLLM
+    params = completion_job(CompletionRequest.model_validate_json(json.dumps(comp(min_p=0.25, temperature=0.9))),
+                            tiny_model, 96).params
+    assert params.min_p == 0.25 and params.sampling().filters
 
 
 def test_api_key(tiny_model):
