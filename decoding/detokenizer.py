@@ -160,10 +160,13 @@ def _stream_type(rust: Any) -> type | None:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    """Text of a growing list of token ids, released as it becomes final, cut at the first stop string (before it,
+    or after it with `include_stop`, vLLM's include_stop_str_in_output)."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False) -> None:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.tokenizer, self.stop, self.include_stop = tokenizer, tuple(stop), include_stop
         self._source = _text_source(tokenizer)
         self.token_ids: list[int] = []
         self.text = ""  # text so far, cut at a stop string once one is seen
@@ -208,12 +211,17 @@ class IncrementalDetokenizer:
         return delta
 
     def _first_stop(self, text: str) -> int | None:
+        """Where the text ends at the earliest stop string (its start, or its end with include_stop); None: no
+        stop string yet. Stops that start at the same place: the first listed."""
         if not self.stop:
             return None
         # only the unreleased tail plus a stop's length can hold a new match
         start = max(0, self.released - max((len(s) for s in self.stop), default=0))
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, len(s)) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
+        if not hits:
+            return None
+        at, length = min(hits, key=lambda hit: hit[0])
+        return at + length if self.include_stop else at
 
     def _holdback(self, text: str) -> int:
         hold = len(text) - len(text.rstrip("\ufffd"))

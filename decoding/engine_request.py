@@ -51,7 +51,7 @@ def make_detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetok
         return None
     if params.output_kind == "final" and not params.stop:
         return FinalDetokenizer(tokenizer)
-    return IncrementalDetokenizer(tokenizer, params.stop)
+    return IncrementalDetokenizer(tokenizer, params.stop, params.include_stop_str_in_output)
 
 
 def until_stop_string(request: EngineRequest, tokens: list[int]) -> tuple[list[int], bool]:

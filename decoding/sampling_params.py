@@ -18,6 +18,7 @@ class SamplingParams:
     min_p: float = 0.0  # vLLM's: keep tokens at least this fraction of the most likely one's probability
     seed: int | None = None  # same seed, same output, whatever else is in the batch
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before it
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1  # independent completions of the prompt (seeds seed, seed + 1, ...)
@@ -52,6 +53,8 @@ class SamplingParams:
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"stop strings must be non-empty strings, got {text!r} in stop={self.stop!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
         for token in self.stop_token_ids:
             if not _is_int(token) or token < 0:
                 raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {token!r}")

@@ -38,6 +38,7 @@ class _SamplingRequest(_Strict):
     n: int | None = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string
     seed: int | None = Field(None, ge=-_INT64, lt=2 * _INT64)
     stream: bool | None = False
     stream_options: StreamOptions | None = None

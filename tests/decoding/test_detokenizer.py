@@ -39,9 +39,9 @@ def test_the_default_tokenizer_takes_each_source_in_turn(tokenizer, source):
     assert isinstance(IncrementalDetokenizer(tokenizer)._source, SOURCES[source])
 
 
-def feed(tokenizer, ids, seed, stop=()):
+def feed(tokenizer, ids, seed, stop=(), include_stop=False):
     """Feed ids in random chunks of 1-4 tokens; returns the detokenizer and the released deltas joined."""
-    rng, detok, released, i = random.Random(seed), IncrementalDetokenizer(tokenizer, stop), "", 0
+    rng, detok, released, i = random.Random(seed), IncrementalDetokenizer(tokenizer, stop, include_stop), "", 0
     while i < len(ids) and not detok.stopped:
         n = rng.randint(1, 4)
         released += detok.add(ids[i:i + n])
@@ -124,6 +124,16 @@ def test_stop_strings_cut_the_text_there(tokenizer, stop):
     whole = tokenizer.decode(ids, skip_special_tokens=True)
     cut = min(whole.find(s) for s in stop if s in whole)
     assert detok.stopped and detok.text == released == whole[:cut]
+
+
+@pytest.mark.parametrize("stop", [["ünïcode"], ["世界"], ["🚀"], ["x **", "wörld"], ["wör", "wörld"], [" and math"]])
+def test_with_include_stop_the_text_ends_after_the_stop_string(tokenizer, stop):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok, released = feed(tokenizer, ids, 4, stop, include_stop=True)
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    at = min(whole.find(s) for s in stop if s in whole)
+    first = next(s for s in stop if whole.find(s) == at)  # of stops starting there, the one listed first
+    assert detok.stopped and detok.text == released == whole[:at + len(first)]
 
 
 def test_text_never_runs_past_an_unfinished_stop_string(tokenizer):

@@ -23,6 +23,9 @@ VOCAB = 24
     (dict(stop=["end", 3]), "stop strings must be non-empty strings, got 3"),
     (dict(stop_token_ids=[-1]), r"stop_token_ids must be token ids \(integers >= 0\), got -1"),
     (dict(stop_token_ids=["2"]), "stop_token_ids must be token ids"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be a bool, got 1"),
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"),
+    (dict(min_p="0.1"), "min_p must be a number"),
 ])
 def test_sampling_params_reject_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -1,5 +1,6 @@
-"""vLLM's /tokenize, /detokenize and /version; the chat template options of /v1/chat/completions; text prompts
-get the tokenizer's own special tokens (a BOS where it adds one) wherever they enter."""
+"""What a vLLM endpoint has beyond OpenAI's API: /tokenize, /detokenize and /version; the chat template options of
+/v1/chat/completions; include_stop_str_in_output. Text prompts get the tokenizer's own special tokens (a BOS where
+it adds one) wherever they enter."""
 
 from __future__ import annotations
 
@@ -117,3 +118,17 @@ def test_text_prompts_get_the_tokenizers_bos(tiny_model, default_model_dir):
         assert post(client, "/tokenize", {"prompt": "Hello there"}).json()["tokens"] == ids
         plain = post(client, "/tokenize", {"prompt": "Hello there", "add_special_tokens": False}).json()["tokens"]
         assert plain == ids[1:]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(client):
+    auth = {"Authorization": "Bearer secret"}
+    free = client.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 12, "temperature": 0},
+                       headers=auth).json()["choices"][0]["text"]
+    stop = free[len(free) // 2: len(free) // 2 + 2]  # two characters from the middle of the greedy text
+    assert stop.strip() and stop in free
+    body = {"prompt": "Once upon", "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    cut = client.post("/v1/completions", json=body, headers=auth).json()["choices"][0]
+    kept = client.post("/v1/completions", json={**body, "include_stop_str_in_output": True},
+                       headers=auth).json()["choices"][0]
+    assert cut["finish_reason"] == kept["finish_reason"] == "stop"
+    assert kept["text"] == cut["text"] + stop and free.startswith(kept["text"])
