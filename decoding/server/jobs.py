@@ -61,7 +61,7 @@ def chat_job(req: ChatCompletionRequest, model: Any, max_model_len: int) -> Job:
         raise unsupported("response_format", "structured output is not implemented")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    ids = chat_prompt(req, model)
+    ids = _truncated(chat_prompt(req, model), req, max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _sampling_params(req, [ids], max_tokens, logprobs, model, max_model_len)
@@ -90,7 +90,7 @@ def completion_job(req: CompletionRequest, model: Any, max_model_len: int) -> Jo
     if req.echo and req.logprobs is not None:
         raise unsupported("echo", "prompt logprobs are not computed, so echo cannot be combined with logprobs")
     prompts = _prompt_list(req.prompt)
-    ids = [_encode(lambda: model.encode(p), "prompt") for p in prompts]
+    ids = [_truncated(_encode(lambda: model.encode(p), "prompt"), req, max_model_len) for p in prompts]
     params = _sampling_params(req, ids, req.max_tokens, req.logprobs, model, max_model_len)
     echo = [p if isinstance(p, str) else model.tokenizer.decode(p) for p in prompts] if req.echo else None
     return _job("completion", req, ids, params, echo)
@@ -155,6 +155,17 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
             output_kind="delta" if req.stream else "final")  # a full response is read once, at the end
     except ValueError as err:  # e.g. min_tokens > max_tokens
         raise bad_request(str(err)) from None
+
+
+def _truncated(ids: list[int], req: _SamplingRequest, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's; -1: as many as the context holds)."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens must be >= 1, or -1 for the context's length",
+                          "truncate_prompt_tokens")
+    return ids[-(max_model_len if keep == -1 else keep):]
 
 
 def _logit_bias(bias: dict[str, float] | None, model: Any) -> dict[int, float]:

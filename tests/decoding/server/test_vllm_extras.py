@@ -120,6 +120,19 @@ def test_text_prompts_get_the_tokenizers_bos(tiny_model, default_model_dir):
         assert plain == ids[1:]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, tiny_model):
+    long = "one two three four five six seven eight nine ten"
+    assert served_prompt_tokens(client, "/v1/completions", {"prompt": long, "truncate_prompt_tokens": 4}) == 4
+    assert served_prompt_tokens(client, "/v1/chat/completions", {"messages": MSG, "truncate_prompt_tokens": 3}) == 3
+    whole = len(tiny_model.encode(long))
+    assert served_prompt_tokens(client, "/v1/completions", {"prompt": long, "truncate_prompt_tokens": -1}) == whole
+    assert served_prompt_tokens(client, "/v1/completions", {"prompt": long, "truncate_prompt_tokens": 500}) == whole
+    for bad in (0, -2):
+        resp = client.post("/v1/completions", json={"prompt": long, "truncate_prompt_tokens": bad},
+                           headers={"Authorization": "Bearer secret"})
+        assert error_param(resp, 400) == "truncate_prompt_tokens"
+
+
 def test_include_stop_str_in_output_keeps_the_stop_string(client):
     auth = {"Authorization": "Bearer secret"}
     free = client.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 12, "temperature": 0},
