@@ -48,6 +48,7 @@ class Job:
     stream: bool
     include_usage: bool
     echo: list[str] | None = None  # prompt texts to prepend (completions with echo=true)
+    continuous_usage: bool = False  # every streamed chunk carries the usage so far (vLLM's continuous_usage_stats)
 
     @property
     def num_choices(self) -> int:
@@ -100,10 +101,11 @@ def _job(kind: str, req: _SamplingRequest, prompts: list[list[int]], params: Sam
          echo: list[str] | None = None) -> Job:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return Job(kind, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.speculative is not False,
-               bool(req.stream), include_usage, echo)
+               bool(req.stream), include_usage, echo, include_usage and bool(options.continuous_usage_stats))
 
 
 def _prompt_list(prompt: Any) -> list[Any]:

@@ -24,6 +24,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries the usage so far
 
 
 class _SamplingRequest(_Strict):

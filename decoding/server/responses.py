@@ -155,6 +155,8 @@ class Formatter:
 
     def _chunk(self, choice: Any, usage: p.Usage | None = None) -> p.BaseModel:
         cls = p.ChatCompletionChunk if self.job.kind == "chat" else p.CompletionResponse
+        if usage is None and self.job.continuous_usage:
+            usage = self.usage()  # the tokens so far, this chunk's included
         return cls(id=self.job.request_id, created=self.created, model=self.model_name,
                    choices=[choice] if choice is not None else [], usage=usage)
 

@@ -145,3 +145,24 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client):
                        headers=auth).json()["choices"][0]
     assert cut["finish_reason"] == kept["finish_reason"] == "stop"
     assert kept["text"] == cut["text"] + stop and free.startswith(kept["text"])
+
+
+def sse_payloads(resp):
+    assert resp.status_code == 200, resp.text
+    lines = [line[len("data: "):] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "Once upon"}),
+                                       ("/v1/chat/completions", {"messages": MSG})])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, path, body):
+    auth = {"Authorization": "Bearer secret"}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**body, "max_tokens": 8, "stream": True, "ignore_eos": True}
+    chunks = sse_payloads(client.post(path, json={**body, "stream_options": options}, headers=auth))
+    used = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"] is not None for c in chunks) and used == sorted(used) and used[-1] == 8
+    assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1 and chunks[-1]["choices"] == []
+    plain = sse_payloads(client.post(path, json={**body, "stream_options": {"include_usage": True}}, headers=auth))
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 8
