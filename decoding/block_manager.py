@@ -233,7 +233,7 @@ class BlockManager:
                              f"request {seq.request_id!r} ({seq.num_computed_tokens} computed); "
                              "unknown (tree) tokens go in num_lookahead")
         hits: list[int] = []
-        if self.enable_prefix_caching and not seq.block_table:
+        if self.enable_prefix_caching and seq.reads_prefix_cache and not seq.block_table:
             hits = self._match_prefix(seq, end - 1)  # leave >= 1 scheduled token to compute
         needed = _ceil_div(end + num_lookahead, self.block_size) - len(seq.block_table) - len(hits)
         return hits, max(needed, 0)

@@ -50,9 +50,9 @@ from medusa.decoding.engine_config import EngineConfig
 from medusa.decoding.engine_request import (EngineRequest, cannot_stop, checked_params, make_detokenizer,
                                             prompt_token_ids, until_stop_string)
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, to_device
-from medusa.decoding.logits_processing import penalize, suppress_eos
+from medusa.decoding.logits_processing import penalize, suppress_eos, token_logprobs
 from medusa.decoding.model_runner import ModelRunner
-from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
+from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats
 from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.decoding.sampler import TokenSampler
 from medusa.decoding.sampling_params import SamplingParams
@@ -66,6 +66,8 @@ from medusa.model import DecoderModel
 from medusa.tree import TreeSpec
 
 __all__ = ["EngineConfig", "LLMEngine", "stream"]
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are computed at once (a 128k vocabulary: 128 MB in fp32)
 
 
 @dataclass
@@ -188,8 +190,10 @@ class LLMEngine:
             seed = random.getrandbits(64) if params.seed is None else params.seed + index
             sub = rid if params.n == 1 else f"{rid}#{index}"
             detok = make_detokenizer(self.tokenizer, params)
-            request = EngineRequest(Sequence(sub, ids), params, TokenSampler(seed), detok, parent_id=rid,
-                                    index=index, stop_ids=stop_ids, quiet=quiet)
+            # prompt logprobs need every prompt position's hidden state: none may come from the prefix cache
+            seq = Sequence(sub, ids, reads_prefix_cache=params.prompt_logprobs is None)
+            request = EngineRequest(seq, params, TokenSampler(seed), detok, parent_id=rid, index=index,
+                                    stop_ids=stop_ids, quiet=quiet)
             self.requests[sub] = request
             self.scheduler.add(request.seq)
         return rid
@@ -302,6 +306,7 @@ class LLMEngine:
             outputs += decoded
             hidden = carried if prompts is not None else hidden
         if batch is not None:
+            self._note_prompt_logprobs(prefills, batch, hidden)
             ready = self._commit_prefills(prefills, batch)
             if ready:
                 outputs += self._start_decoding(ready, hidden)
@@ -691,15 +696,24 @@ class LLMEngine:
 
     def _note_logprobs(self, request: EngineRequest, logits: torch.Tensor, tokens: list[int]) -> None:
         """logits [n, V]: row i is the distribution tokens[i] was drawn from."""
-        k = request.params.logprobs
-        if k is None:
-            return
-        logp = torch.log_softmax(logits.float(), -1)
-        chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, device=logp.device)].tolist()
-        top = logp.topk(k, dim=-1) if k else None
-        for i, token in enumerate(tokens):
-            alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if k else []
-            request.logprobs.append(TokenLogprob(token, chosen[i], alternatives))
+        if request.params.logprobs is not None:
+            request.logprobs += token_logprobs(logits, tokens, request.params.logprobs)
+
+    def _note_prompt_logprobs(self, prefills: list[ScheduledSeq], batch, hidden: torch.Tensor) -> None:
+        """Prompt logprobs from the hidden states [T, H] of the chunks just run, for requests that ask: the
+        state at prompt position q gives token q + 1's. Positions already noted (a recompute after
+        preemption runs them again) are skipped; the last prompt position predicts the first output token."""
+        for item, start in zip(prefills, batch.starts):
+            request = self.requests[item.seq.request_id]
+            noted = request.prompt_logprobs
+            if noted is None:
+                continue
+            first, prompt = item.seq.num_computed_tokens, item.seq.prompt_token_ids
+            for begin in range(max(first, len(noted) - 1), min(first + item.num_tokens, len(prompt) - 1),
+                               PROMPT_LOGPROB_ROWS):  # [rows, V] logits at a time, not the whole prompt's
+                end = min(begin + PROMPT_LOGPROB_ROWS, first + item.num_tokens, len(prompt) - 1)
+                logits = self.model.compute_logits(hidden[start + begin - first: start + end - first])
+                noted += token_logprobs(logits, prompt[begin + 1: end + 1], request.params.prompt_logprobs)
 
     def _release_row(self, request: EngineRequest) -> None:
         if request.row is not None:
@@ -721,7 +735,7 @@ class LLMEngine:
         return RequestOutput(request.parent_id, new, delta, finished,
                              seq.finish_reason.value if seq.finish_reason else None,
                              seq.output_token_ids, seq.num_output_tokens, text, request.stats,
-                             request.index, logprobs)
+                             request.index, logprobs, request.prompt_logprobs)
 
     def _device_tree(self, spec: TreeSpec) -> DeviceTree:
         if spec not in self._device_trees:

@@ -37,12 +37,15 @@ class EngineRequest:
     host_always: bool = field(init=False)  # logprobs or penalties: every verdict is the host's
     eos_banned_until: int = field(init=False)  # output tokens before which EOS is banned (min_tokens)
     first_pending: bool = False  # its first output token was drawn on the device and is not read back yet
+    # with params.prompt_logprobs: None for the first prompt token, then each next one's, as prefill reaches it
+    prompt_logprobs: list[TokenLogprob | None] | None = field(init=False)
 
     def __post_init__(self) -> None:
         params = self.params
         self.sampling = params.sampling()
         self.host_always = params.logprobs is not None or params.has_penalties
         self.eos_banned_until = 0 if params.ignore_eos else params.min_tokens
+        self.prompt_logprobs = None if params.prompt_logprobs is None else [None]
 
 
 def make_detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer | FinalDetokenizer | None:

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.outputs import TokenLogprob
 from medusa.decoding.sampling_params import SamplingParams
 
 
@@ -67,3 +68,13 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
         penalty = params.repetition_penalty
         logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
     return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
+    """logits [n, V], row i the distribution tokens[i] came from -> each token's log-probability and the k most
+    likely alternatives (one copy to the host)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    chosen = logp[torch.arange(len(tokens), device=logp.device), torch.tensor(list(tokens), device=logp.device)]
+    top = logp.topk(k, dim=-1) if k else None
+    chosen, ids, values = chosen.tolist(), top.indices.tolist() if k else None, top.values.tolist() if k else None
+    return [TokenLogprob(token, chosen[i], list(zip(ids[i], values[i])) if k else []) for i, token in enumerate(tokens)]

@@ -23,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # independent completions of the prompt (seeds seed, seed + 1, ...)
     logprobs: int | None = None  # return each token's log-probability and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (none from the prefix cache)
     # OpenAI penalties on the output so far (not the prompt, as vLLM): before temperature and top-k/p,
     # logits[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)
     presence_penalty: float = 0.0
@@ -43,9 +44,9 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs"):
+        for name in ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if not (value is None and name in ("seed", "logprobs")) and not _is_int(value):
+            if not (value is None and name in ("seed", "logprobs", "prompt_logprobs")) and not _is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if isinstance(self.stop, str):  # one stop string, as the OpenAI API allows
             object.__setattr__(self, "stop", (self.stop,))
@@ -67,8 +68,10 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not 1 <= self.n <= 64:
             raise ValueError(f"n must be in [1, 64], got {self.n}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise ValueError(f"{name} must be in [0, 20], got {value}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:

@@ -62,6 +62,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_inflight_tokens: int = 0
     table_version: int = 0
+    reads_prefix_cache: bool = True  # False: its prompt is computed whole (its own full blocks are still shared)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -12,8 +12,8 @@ lossless with Medusa. Tools, structured output and `suffix` are refused with a
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jinja2 import TemplateError
@@ -88,11 +88,13 @@ def completion_job(req: CompletionRequest, model: Any, max_model_len: int) -> Jo
         raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise unsupported("best_of", "only best_of == n is served")
-    if req.echo and req.logprobs is not None:
-        raise unsupported("echo", "prompt logprobs are not computed, so echo cannot be combined with logprobs")
+    if req.echo and req.logprobs is not None and req.stream:
+        raise unsupported("echo", "echo with logprobs (the prompt's logprobs) is served without streaming only")
     prompts = _prompt_list(req.prompt)
     ids = [_truncated(_encode(lambda: model.encode(p), "prompt"), req, max_model_len) for p in prompts]
     params = _sampling_params(req, ids, req.max_tokens, req.logprobs, model, max_model_len)
+    if req.echo and req.logprobs is not None:  # the echoed prompt gets logprobs too (evaluation harnesses score so)
+        params = replace(params, prompt_logprobs=req.logprobs)
     echo = [p if isinstance(p, str) else model.tokenizer.decode(p) for p in prompts] if req.echo else None
     return _job("completion", req, ids, params, echo)
 

@@ -84,6 +84,7 @@ class _Choice:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offset: int = 0  # characters already streamed (completions' logprobs.text_offset)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs: the prompt's
 
 
 class Formatter:
@@ -102,6 +103,7 @@ class Formatter:
         acc.text += out.new_text
         acc.num_tokens += len(out.new_token_ids)
         acc.logprobs += out.new_logprobs or []
+        acc.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             acc.finish_reason = out.finish_reason
 
@@ -123,7 +125,7 @@ class Formatter:
                 logprobs=self._chat_logprobs(c.logprobs)) for i, c in enumerate(self.choices)], **common)
         return p.CompletionResponse(choices=[p.CompletionChoice(
             index=i, text=self._echo(i) + c.text, finish_reason=c.finish_reason,
-            logprobs=self._completion_logprobs(c, c.logprobs)) for i, c in enumerate(self.choices)], **common)
+            logprobs=self._echoed_logprobs(i, c)) for i, c in enumerate(self.choices)], **common)
 
     # ---- streaming ---------------------------------------------------------
 
@@ -178,6 +180,26 @@ class Formatter:
             content.append(p.ChatTokenLogprob(token=text, logprob=_finite(e.logprob), bytes=list(text.encode()),
                                               top_logprobs=top))
         return p.ChatLogprobs(content=content)
+
+    def _echoed_logprobs(self, choice: int, acc: _Choice) -> p.CompletionLogprobs | None:
+        """A full completion's logprobs: with echo, the prompt's first (its first token has none), then the
+        output's, whose text offsets start after the echoed text."""
+        if acc.prompt_logprobs is None:
+            return self._completion_logprobs(acc, acc.logprobs)
+        prompt = self.job.prompts[choice // self.job.params.n]
+        out, offset = p.CompletionLogprobs(), 0
+        for token, entry in zip(prompt, acc.prompt_logprobs):
+            text = self._text(token)
+            out.tokens.append(text)
+            out.token_logprobs.append(None if entry is None else _finite(entry.logprob))
+            out.top_logprobs.append(None if entry is None else {self._text(t): _finite(lp) for t, lp in entry.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        acc.text_offset = len(self._echo(choice))
+        rest = self._completion_logprobs(acc, acc.logprobs)
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(out, name).extend(getattr(rest, name))
+        return out
 
     def _completion_logprobs(self, acc: _Choice, entries: list[TokenLogprob]) -> p.CompletionLogprobs | None:
         if self.job.params.logprobs is None:

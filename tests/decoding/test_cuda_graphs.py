@@ -334,3 +334,26 @@ def test_trees_of_wide_heads_replay_bounded_graphs_and_keep_plain_greedy():
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     assert [o.token_ids for o in outs] == references
     assert (64, SHORT_KV_KEYS) in bounds
+
+
+def test_graph_engine_prompt_logprobs_equal_a_full_forwards(default_model_dir):
+    """Prompt logprobs read the prefill's hidden states: from a prefill graph's padded output or a decode graph's
+    carried chunks alike, they equal one eager forward's."""
+    from medusa.attention import CausalAttention
+
+    model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
+    engine = model.engine()
+    prompts = [model.encode([{"role": "user", "content": text}])
+               for text in ("Write a haiku about the sea.", "Name three prime numbers and explain why.")]
+    busy = engine.add_request(prompts[0], SamplingParams(max_tokens=40))  # decoding while the others prefill
+    engine.step()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4, prompt_logprobs=1))
+    engine.abort(busy)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor(prompt, device="cuda")
+        with torch.no_grad():
+            logp = torch.log_softmax(model.base.compute_logits(
+                model.base(ids, torch.arange(len(ids), device="cuda"), CausalAttention())).float(), -1)
+        want = logp[torch.arange(len(ids) - 1), ids[1:]].tolist()
+        got = [entry.logprob for entry in out.prompt_logprobs[1:]]
+        assert out.prompt_logprobs[0] is None and got == pytest.approx(want, abs=1e-3)

@@ -85,7 +85,7 @@ BAD = [
     (COMP, comp(prompt=[1, "a"]), 400, "prompt"),
     (COMP, comp(prompt="hello " * 5000), 400, None),
     (COMP, comp(logprobs=21), 400, "logprobs"),
-    (COMP, comp(echo=True, logprobs=1), 400, "echo"),
+    (COMP, comp(echo=True, logprobs=1, stream=True), 400, "echo"),
     (COMP, comp(suffix="x"), 400, "suffix"),
     (COMP, comp(best_of=3), 400, "best_of"),
     (COMP, comp(frequency_penalty=2.001), 400, "frequency_penalty"),

@@ -1,17 +1,20 @@
 """What a vLLM endpoint has beyond OpenAI's API: /tokenize, /detokenize and /version; the chat template options of
-/v1/chat/completions; include_stop_str_in_output. Text prompts get the tokenizer's own special tokens (a BOS where
-it adds one) wherever they enter."""
+/v1/chat/completions; include_stop_str_in_output, truncate_prompt_tokens, continuous usage; and OpenAI's echo with
+logprobs (the prompt's logprobs, as evaluation harnesses score). Text prompts get the tokenizer's own special tokens
+(a BOS where it adds one) wherever they enter."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 import medusa
 from medusa.decoding.engine import EngineConfig, LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
+from medusa.attention import CausalAttention
 from medusa.decoding.server import build_app
 
 MSG = [{"role": "user", "content": "Name a colour."}]
@@ -166,3 +169,26 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, path
     assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1 and chunks[-1]["choices"] == []
     plain = sse_payloads(client.post(path, json={**body, "stream_options": {"include_usage": True}}, headers=auth))
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, tiny_model):
+    """What an evaluation harness sends to score a text: echo, logprobs, one token. The prompt's tokens come back
+    with their log-probabilities under the model (the first has none), then the output's."""
+    prompt = "The cat sat on the mat"
+    body = {"prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 1, "temperature": 0}
+    resp = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer secret"})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    ids = tiny_model.encode(prompt)
+    logprobs, decode = choice["logprobs"], tiny_model.tokenizer.decode
+    assert logprobs["tokens"][:len(ids)] == [decode([t]) for t in ids] and len(logprobs["tokens"]) == len(ids) + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    with torch.no_grad():
+        x = torch.tensor(ids)
+        logp = torch.log_softmax(tiny_model.base.compute_logits(
+            tiny_model.base(x, torch.arange(len(ids)), CausalAttention())).float(), -1)
+    for q in range(1, len(ids)):
+        assert logprobs["token_logprobs"][q] == pytest.approx(logp[q - 1, ids[q]].item(), abs=1e-4)
+        assert len(logprobs["top_logprobs"][q]) <= 2
+    assert choice["text"].startswith(prompt) and logprobs["text_offset"][len(ids)] == len(prompt)
+    assert logprobs["text_offset"][:3] == [0, len(decode([ids[0]])), len(decode(ids[:2]))]
