@@ -106,7 +106,7 @@ def detokenizer_us(tokenizer, tokens: int = 256, rounds: int = 50) -> dict:
     result = {}
     for name in ("bytes", "stream", "window_rust", "window_transformers"):
         if name != "bytes":  # as for a tokenizer that is not byte-level
-            byte_level.byte_table = lambda tok: None
+            byte_level.byte_table = lambda tok, skip_special=True: None
         if name.startswith("window"):
             detokenizer._text_source = detokenizer.WindowText
         if name == "window_transformers":  # as if transformers would clean up spaces: its Python decode

@@ -19,7 +19,7 @@ import codecs
 import weakref
 from typing import Any, Sequence
 
-_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> list[bytes] | None
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {skip_special: list[bytes] | None}
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -44,27 +44,29 @@ def _token_bytes(token: str | None, byte_of: dict[str, int]) -> bytes:
         return token.encode()
 
 
-def _build_table(rust: Any) -> list[bytes] | None:
-    """Bytes of every id as `rust.decode(ids, skip_special_tokens=True)` sees it (special tokens: none), or
-    None where that decode is not the byte-level join."""
+def _build_table(rust: Any, skip_special: bool = True) -> list[bytes] | None:
+    """Bytes of every id as `rust.decode(ids, skip_special_tokens=skip_special)` sees it (special tokens: none
+    when skipped), or None where that decode is not the byte-level join."""
     if type(rust.decoder).__name__ != "ByteLevel":
         return None
     size = max(rust.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-    special = {i for i, added in rust.get_added_tokens_decoder().items() if added.special}
+    special = {i for i, added in rust.get_added_tokens_decoder().items() if added.special} if skip_special else ()
     byte_of = _byte_of_char()
     table = [b"" if i in special else _token_bytes(rust.id_to_token(i), byte_of) for i in range(size)]
-    alone = rust.decode_batch([[i] for i in range(size)], skip_special_tokens=True)
+    alone = rust.decode_batch([[i] for i in range(size)], skip_special_tokens=skip_special)
     if any(text != data.decode("utf-8", "replace") for text, data in zip(alone, table)):
         return None
     return table
 
 
-def byte_table(tokenizer: Any) -> list[bytes] | None:
+def byte_table(tokenizer: Any, skip_special: bool = True) -> list[bytes] | None:
     """The byte strings of `tokenizer`'s ids (a transformers fast tokenizer whose decode is its Rust
-    tokenizer's), built on first use and kept while the tokenizer lives; None: not byte-level."""
-    if tokenizer not in _tables:
-        _tables[tokenizer] = _build_table(tokenizer.backend_tokenizer)
-    return _tables[tokenizer]
+    tokenizer's), special tokens' empty unless `skip_special` is False; built on first use and kept while the
+    tokenizer lives. None: not byte-level."""
+    tables = _tables.setdefault(tokenizer, {})
+    if skip_special not in tables:
+        tables[skip_special] = _build_table(tokenizer.backend_tokenizer, skip_special)
+    return tables[skip_special]
 
 
 class ByteText:

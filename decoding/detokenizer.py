@@ -40,15 +40,15 @@ from medusa.decoding import byte_level
 from medusa.decoding.byte_level import ByteText
 
 
-def _decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
-    """`ids -> tokenizer.decode(ids, skip_special_tokens=True)`, the same text by a shorter path where
+def _decoder(tokenizer: Any, skip_special: bool = True) -> Callable[[Sequence[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=skip_special)`, the same text by a shorter path where
     there is one: a fast tokenizer whose decode is transformers' own and cleans up no spaces."""
     decode = tokenizer.backend_tokenizer.decode if _decodes_in_rust(tokenizer) else tokenizer.decode
-    return partial(decode, skip_special_tokens=True)
+    return partial(decode, skip_special_tokens=skip_special)
 
 
 def _decodes_in_rust(tokenizer: Any) -> bool:
-    """Whether `tokenizer.decode(ids, skip_special_tokens=True)` is exactly its Rust tokenizer's decode."""
+    """Whether `tokenizer.decode(ids, skip_special_tokens=...)` is exactly its Rust tokenizer's decode."""
     try:
         from transformers import PreTrainedTokenizerFast
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -77,8 +77,8 @@ def _cleans_up_spaces(tokenizer: Any) -> bool:
 class WindowText:
     """Text of a growing list of ids, by decoding a window of them per call (the module's docstring)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self._decode_ids = _decoder(tokenizer)
+    def __init__(self, tokenizer: Any, skip_special: bool = True) -> None:
+        self._decode_ids = _decoder(tokenizer, skip_special)
         self._context, self._read = 0, 0  # token_ids[_context:_read]: the window's context tokens
 
     def new_text(self, token_ids: list[int], final: bool) -> str:
@@ -101,9 +101,9 @@ class WindowText:
 class StreamText:
     """WindowText's contract through the Rust tokenizer's `DecodeStream` (the module's docstring)."""
 
-    def __init__(self, tokenizer: Any, stream_type: type) -> None:
-        self._rust = tokenizer.backend_tokenizer
-        self._stream = stream_type(skip_special_tokens=True)
+    def __init__(self, tokenizer: Any, stream_type: type, skip_special: bool = True) -> None:
+        self._rust, self._skip_special = tokenizer.backend_tokenizer, skip_special
+        self._stream = stream_type(skip_special_tokens=skip_special)
         self._fed = 0  # ids given to the stream
         self._chars = 0  # characters the stream has returned
         self._whole_fed = 0  # ids whose text the stream has returned whole (none of it held back)
@@ -117,7 +117,7 @@ class StreamText:
             if text:
                 self._whole_fed = self._fed
         if final and self._whole_fed < self._fed:  # the stream holds an incomplete character back: decode it
-            rest = self._rust.decode(token_ids, skip_special_tokens=True)[self._chars:]
+            rest = self._rust.decode(token_ids, skip_special_tokens=self._skip_special)[self._chars:]
             self._chars, self._whole_fed = self._chars + len(rest), self._fed
             text += rest
         return text
@@ -130,14 +130,14 @@ def prepare(tokenizer: Any) -> None:
         byte_level.byte_table(tokenizer)
 
 
-def _text_source(tokenizer: Any) -> ByteText | StreamText | WindowText:
+def _text_source(tokenizer: Any, skip_special: bool = True) -> ByteText | StreamText | WindowText:
     if not _decodes_in_rust(tokenizer):
-        return WindowText(tokenizer)
-    table = byte_level.byte_table(tokenizer)
+        return WindowText(tokenizer, skip_special)
+    table = byte_level.byte_table(tokenizer, skip_special)
     if table is not None:
         return ByteText(table)
     stream = _stream_type(tokenizer.backend_tokenizer)
-    return StreamText(tokenizer, stream) if stream is not None else WindowText(tokenizer)
+    return StreamText(tokenizer, stream, skip_special) if stream is not None else WindowText(tokenizer, skip_special)
 
 
 _UNCHECKED = object()
@@ -161,13 +161,15 @@ def _stream_type(rust: Any) -> type | None:
 
 class IncrementalDetokenizer:
     """Text of a growing list of token ids, released as it becomes final, cut at the first stop string (before it,
-    or after it with `include_stop`, vLLM's include_stop_str_in_output)."""
+    or after it with `include_stop`, vLLM's include_stop_str_in_output); special tokens' text is left out unless
+    skip_special is False."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False,
+                 skip_special: bool = True) -> None:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
         self.tokenizer, self.stop, self.include_stop = tokenizer, tuple(stop), include_stop
-        self._source = _text_source(tokenizer)
+        self._source = _text_source(tokenizer, skip_special)
         self.token_ids: list[int] = []
         self.text = ""  # text so far, cut at a stop string once one is seen
         self.released = 0  # characters of self.text already handed out
@@ -241,8 +243,8 @@ class FinalDetokenizer:
     stop: tuple[str, ...] = ()
     stopped = False
 
-    def __init__(self, tokenizer: Any) -> None:
-        self._decode_ids = _decoder(tokenizer)
+    def __init__(self, tokenizer: Any, skip_special: bool = True) -> None:
+        self._decode_ids = _decoder(tokenizer, skip_special)
         self.token_ids: list[int] = []
         self.text = ""  # empty until flush
 

@@ -53,8 +53,8 @@ def make_detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetok
     if tokenizer is None:
         return None
     if params.output_kind == "final" and not params.stop:
-        return FinalDetokenizer(tokenizer)
-    return IncrementalDetokenizer(tokenizer, params.stop, params.include_stop_str_in_output)
+        return FinalDetokenizer(tokenizer, params.skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
 
 
 def until_stop_string(request: EngineRequest, tokens: list[int]) -> tuple[list[int], bool]:

@@ -19,6 +19,7 @@ class SamplingParams:
     seed: int | None = None  # same seed, same output, whatever else is in the batch
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before it
+    skip_special_tokens: bool = True  # False: special tokens' text (say <|im_end|>) stays in the output text
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1  # independent completions of the prompt (seeds seed, seed + 1, ...)
@@ -54,8 +55,9 @@ class SamplingParams:
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"stop strings must be non-empty strings, got {text!r} in stop={self.stop!r}")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for token in self.stop_token_ids:
             if not _is_int(token) or token < 0:
                 raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {token!r}")

@@ -151,7 +151,7 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
             top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0,
             seed=None if req.seed is None else req.seed % 2**63,  # any int64 or uint64 -> the sampler's [0, 2**63)
             stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
-            include_stop_str_in_output=req.include_stop_str_in_output,
+            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
             ignore_eos=bool(req.ignore_eos), n=req.n or 1, logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=req.repetition_penalty or 1.0, logit_bias=_logit_bias(req.logit_bias, model),

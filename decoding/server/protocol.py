@@ -40,6 +40,7 @@ class _SamplingRequest(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text in the output
     truncate_prompt_tokens: int | None = Field(None, ge=-1, lt=_INT64)  # vLLM's: keep the prompt's last k tokens
     seed: int | None = Field(None, ge=-_INT64, lt=2 * _INT64)
     stream: bool | None = False

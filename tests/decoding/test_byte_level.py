@@ -29,6 +29,8 @@ def test_the_table_is_built_once_per_tokenizer(tokenizer):
     assert table is byte_table(tokenizer) and len(table) == len(tokenizer)
     assert table[tokenizer.eos_token_id] == b""  # special tokens are skipped, as decode skips them
     assert table[tokenizer.convert_tokens_to_ids("Ġthe")] == b" the"
+    kept = byte_table(tokenizer, skip_special=False)  # a second table, special tokens' text in it
+    assert kept is byte_table(tokenizer, skip_special=False) and kept[tokenizer.eos_token_id] == b"<|im_end|>"
 
 
 @pytest.mark.parametrize("seed", range(4))

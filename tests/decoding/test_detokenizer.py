@@ -29,7 +29,7 @@ def source(request, monkeypatch):
     """Every test runs with each text source: the default tokenizer takes the byte table, a fast tokenizer that is
     not byte-level the stream, other tokenizers the window."""
     if request.param == "stream":
-        monkeypatch.setattr(byte_level, "byte_table", lambda tokenizer: None)
+        monkeypatch.setattr(byte_level, "byte_table", lambda tokenizer, skip_special=True: None)
     if request.param == "window":
         monkeypatch.setattr(detokenizer, "_text_source", WindowText)
     return request.param
@@ -165,7 +165,7 @@ def test_a_decode_stream_that_takes_one_id_at_a_time_falls_back_to_the_window(to
                 raise TypeError("argument 'id': 'list' object cannot be interpreted as an integer")
 
     monkeypatch.setattr(tokenizers.decoders, "DecodeStream", OneAtATime)
-    monkeypatch.setattr(byte_level, "byte_table", lambda tokenizer: None)  # as for a tokenizer not byte-level
+    monkeypatch.setattr(byte_level, "byte_table", lambda tokenizer, skip_special=True: None)  # not byte-level
     monkeypatch.setattr(detokenizer, "_stream", detokenizer._UNCHECKED)
     detok, released = feed(tokenizer, tokenizer.encode(TEXT, add_special_tokens=False), 2)
     assert isinstance(detok._source, WindowText) and released == tokenizer.decode(tokenizer.encode(TEXT),
@@ -178,3 +178,21 @@ def test_special_tokens_inside_the_output_are_skipped_as_decode_skips_them(token
     mixed = [t for i, token in enumerate(ids) for t in ([token, special[i % len(special)]] if i % 7 == 3 else [token])]
     detok, released = feed(tokenizer, mixed, 3)
     assert len(mixed) > len(ids) and released == detok.text == tokenizer.decode(mixed, skip_special_tokens=True)
+
+
+def test_special_tokens_stay_in_the_text_when_not_skipped(tokenizer):
+    """skip_special=False (vLLM's skip_special_tokens=false): decode's text with the special tokens kept, by
+    every source; the final-only detokenizer too."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    special = sorted(tokenizer.all_special_ids)
+    mixed = [t for i, token in enumerate(ids) for t in ([token, special[i % len(special)]] if i % 5 == 2 else [token])]
+    detok, released, i = IncrementalDetokenizer(tokenizer, skip_special=False), "", 0
+    while i < len(mixed):
+        released += detok.add(mixed[i:i + 3])
+        i += 3
+    released += detok.flush()
+    whole = tokenizer.decode(mixed, skip_special_tokens=False)
+    assert released == detok.text == whole and "<|im_end|>" in whole
+    final = FinalDetokenizer(tokenizer, skip_special=False)
+    final.add(mixed)
+    assert final.flush() == whole

@@ -192,3 +192,13 @@ def test_echo_with_logprobs_scores_the_prompt(client, tiny_model):
         assert len(logprobs["top_logprobs"][q]) <= 2
     assert choice["text"].startswith(prompt) and logprobs["text_offset"][len(ids)] == len(prompt)
     assert logprobs["text_offset"][:3] == [0, len(decode([ids[0]])), len(decode(ids[:2]))]
+
+
+def test_skip_special_tokens_false_keeps_their_text(client):
+    """A bias makes the model write <|im_start|> (a special token, not an end): its text shows only when asked."""
+    body = {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "logit_bias": {"1": 100}}
+    auth = {"Authorization": "Bearer secret"}
+    skipped = client.post("/v1/completions", json=body, headers=auth).json()["choices"][0]["text"]
+    kept = client.post("/v1/completions", json={**body, "skip_special_tokens": False}, headers=auth).json()
+    assert skipped == "" and kept["choices"][0]["text"] == "<|im_start|>" * 3
+    assert kept["usage"]["completion_tokens"] == 3
