@@ -191,11 +191,17 @@ json_values = st.recursive(
     max_leaves=8)
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
           "stop", "seed", "stream", "stream_options", "presence_penalty", "frequency_penalty", "logprobs",
-          "top_logprobs", "ignore_eos", "min_tokens", "speculative", "echo", "stop_token_ids", "logit_bias"]
+          "top_logprobs", "ignore_eos", "min_tokens", "speculative", "echo", "stop_token_ids", "logit_bias",
+          "repetition_penalty", "min_p", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+          "add_generation_prompt", "continue_final_message"]
 # Plausible values mixed in, so the fuzz also reaches past the first validation error.
 plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3], ["a", "b"]]),
              "max_tokens": st.integers(-2, 6), "n": st.integers(0, 3), "temperature": st.floats(-1, 3),
-             "stream": st.booleans(), "logprobs": st.one_of(st.booleans(), st.integers(-1, 3))}
+             "stream": st.booleans(), "logprobs": st.one_of(st.booleans(), st.integers(-1, 3)),
+             "echo": st.booleans(), "logit_bias": st.dictionaries(st.sampled_from(["1", "7", "x", "-3", "99999"]),
+                                                                  st.floats(-300, 300), max_size=3),
+             "min_p": st.floats(-0.5, 1.5), "repetition_penalty": st.floats(-1, 3),
+             "truncate_prompt_tokens": st.integers(-3, 5), "continue_final_message": st.booleans()}
 
 
 @st.composite
