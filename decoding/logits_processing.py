@@ -75,6 +75,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[
     likely alternatives (one copy to the host)."""
     logp = torch.log_softmax(logits.float(), -1)
     chosen = logp[torch.arange(len(tokens), device=logp.device), torch.tensor(list(tokens), device=logp.device)]
-    top = logp.topk(k, dim=-1) if k else None
-    chosen, ids, values = chosen.tolist(), top.indices.tolist() if k else None, top.values.tolist() if k else None
-    return [TokenLogprob(token, chosen[i], list(zip(ids[i], values[i])) if k else []) for i, token in enumerate(tokens)]
+    alternatives = [[] for _ in tokens]
+    if k:
+        top = logp.topk(k, dim=-1)
+        alternatives = [list(zip(ids, values)) for ids, values in zip(top.indices.tolist(), top.values.tolist())]
+    return [TokenLogprob(token, lp, alt) for token, lp, alt in zip(tokens, chosen.tolist(), alternatives)]

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterable
 
 from starlette.requests import Request
 
@@ -186,33 +186,29 @@ class Formatter:
         output's, whose text offsets start after the echoed text."""
         if acc.prompt_logprobs is None:
             return self._completion_logprobs(acc, acc.logprobs)
+        out = p.CompletionLogprobs()
         prompt = self.job.prompts[choice // self.job.params.n]
-        out, offset = p.CompletionLogprobs(), 0
-        for token, entry in zip(prompt, acc.prompt_logprobs):
+        self._add_logprobs(out, zip(prompt, acc.prompt_logprobs), 0)
+        self._add_logprobs(out, ((e.token_id, e) for e in acc.logprobs), len(self._echo(choice)))
+        return out
+
+    def _completion_logprobs(self, acc: _Choice, entries: list[TokenLogprob]) -> p.CompletionLogprobs | None:
+        if self.job.params.logprobs is None:
+            return None
+        out = p.CompletionLogprobs()
+        self._add_logprobs(out, ((e.token_id, e) for e in entries), acc.text_offset)
+        return out
+
+    def _add_logprobs(self, out: p.CompletionLogprobs, tokens: Iterable[tuple[int, TokenLogprob | None]],
+                      offset: int) -> None:
+        """Append (token id, its logprob entry or None: the prompt's first token) rows, text offsets from `offset`."""
+        for token, entry in tokens:
             text = self._text(token)
             out.tokens.append(text)
             out.token_logprobs.append(None if entry is None else _finite(entry.logprob))
             out.top_logprobs.append(None if entry is None else {self._text(t): _finite(lp) for t, lp in entry.top})
             out.text_offset.append(offset)
             offset += len(text)
-        acc.text_offset = len(self._echo(choice))
-        rest = self._completion_logprobs(acc, acc.logprobs)
-        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-            getattr(out, name).extend(getattr(rest, name))
-        return out
-
-    def _completion_logprobs(self, acc: _Choice, entries: list[TokenLogprob]) -> p.CompletionLogprobs | None:
-        if self.job.params.logprobs is None:
-            return None
-        out, offset = p.CompletionLogprobs(), acc.text_offset
-        for e in entries:
-            text = self._text(e.token_id)
-            out.tokens.append(text)
-            out.token_logprobs.append(_finite(e.logprob))
-            out.top_logprobs.append({self._text(t): _finite(lp) for t, lp in e.top})
-            out.text_offset.append(offset)
-            offset += len(text)
-        return out
 
 
 def _finite(logprob: float) -> float:
