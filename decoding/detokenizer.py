@@ -124,8 +124,8 @@ class StreamText:
 
 
 def prepare(tokenizer: Any) -> None:
-    """Build up front what streaming `tokenizer`'s text needs (its byte table: ~0.2 s for a 49k vocabulary on
-    a CPU), so that the first request does not wait for it."""
+    """Build up front what streaming `tokenizer`'s text needs (its byte table: 0.23-0.25 s for the default model's
+    49k vocabulary on a 2-core CPU, RESULTS.md session 34), so that the first request does not wait for it."""
     if tokenizer is not None and _decodes_in_rust(tokenizer):
         byte_level.byte_table(tokenizer)
 
