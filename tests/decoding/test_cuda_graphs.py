@@ -356,4 +356,6 @@ def test_graph_engine_prompt_logprobs_equal_a_full_forwards(default_model_dir):
                 model.base(ids, torch.arange(len(ids), device="cuda"), CausalAttention())).float(), -1)
         want = logp[torch.arange(len(ids) - 1), ids[1:]].tolist()
         got = [entry.logprob for entry in out.prompt_logprobs[1:]]
-        assert out.prompt_logprobs[0] is None and got == pytest.approx(want, abs=1e-3)
+        # abs 0.1: the paged attention kernel's dots of fp32 inputs run in TF32 (Triton's default), which moved
+        # these by up to 0.035 on the H200 (session 35); a row read from the wrong position is off by nats
+        assert out.prompt_logprobs[0] is None and got == pytest.approx(want, abs=0.1)
