@@ -71,12 +71,14 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
-    """logits [n, V], row i the distribution tokens[i] came from -> each token's log-probability and the k most
-    likely alternatives (one copy to the host)."""
+    """logits [n, V], row i the distribution tokens[i] came from -> each token's log-probability, its rank and
+    the k most likely alternatives (one copy to the host)."""
     logp = torch.log_softmax(logits.float(), -1)
     chosen = logp[torch.arange(len(tokens), device=logp.device), torch.tensor(list(tokens), device=logp.device)]
+    ranks = (logp > chosen[:, None]).sum(-1) + 1  # [n]
     alternatives = [[] for _ in tokens]
     if k:
         top = logp.topk(k, dim=-1)
         alternatives = [list(zip(ids, values)) for ids, values in zip(top.indices.tolist(), top.values.tolist())]
-    return [TokenLogprob(token, lp, alt) for token, lp, alt in zip(tokens, chosen.tolist(), alternatives)]
+    return [TokenLogprob(token, lp, alt, rank)
+            for token, lp, alt, rank in zip(tokens, chosen.tolist(), alternatives, ranks.tolist())]

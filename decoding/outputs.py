@@ -64,6 +64,7 @@ class TokenLogprob:
     token_id: int
     logprob: float  # of the base model's raw distribution (no temperature, penalties or min_tokens ban)
     top: list[tuple[int, float]]  # the most likely alternatives, best first
+    rank: int | None = None  # 1 + how many tokens are more likely (vLLM's Logprob.rank)
 
 
 @dataclass(frozen=True, init=False)

@@ -49,6 +49,7 @@ class Job:
     include_usage: bool
     echo: list[str] | None = None  # prompt texts to prepend (completions with echo=true)
     continuous_usage: bool = False  # every streamed chunk carries the usage so far (vLLM's continuous_usage_stats)
+    prompt_logprobs: int | None = None  # vLLM's: the response carries each prompt token's logprob and top k
 
     @property
     def num_choices(self) -> int:
@@ -94,7 +95,7 @@ def completion_job(req: CompletionRequest, model: Any, max_model_len: int) -> Jo
     ids = [_truncated(_encode(lambda: model.encode(p), "prompt"), req, max_model_len) for p in prompts]
     params = _sampling_params(req, ids, req.max_tokens, req.logprobs, model, max_model_len)
     if req.echo and req.logprobs is not None:  # the echoed prompt gets logprobs too (evaluation harnesses score so)
-        params = replace(params, prompt_logprobs=req.logprobs)
+        params = replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
     echo = [p if isinstance(p, str) else model.tokenizer.decode(p) for p in prompts] if req.echo else None
     return _job("completion", req, ids, params, echo)
 
@@ -103,11 +104,14 @@ def _job(kind: str, req: _SamplingRequest, prompts: list[list[int]], params: Sam
          echo: list[str] | None = None) -> Job:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise unsupported("prompt_logprobs", "prompt logprobs are served without streaming only")
     options = req.stream_options
     include_usage = bool(options and options.include_usage)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return Job(kind, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.speculative is not False,
-               bool(req.stream), include_usage, echo, include_usage and bool(options.continuous_usage_stats))
+               bool(req.stream), include_usage, echo, include_usage and bool(options.continuous_usage_stats),
+               req.prompt_logprobs)
 
 
 def _prompt_list(prompt: Any) -> list[Any]:
@@ -152,7 +156,7 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
             seed=None if req.seed is None else req.seed % 2**63,  # any int64 or uint64 -> the sampler's [0, 2**63)
             stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-            ignore_eos=bool(req.ignore_eos), n=req.n or 1, logprobs=logprobs,
+            ignore_eos=bool(req.ignore_eos), n=req.n or 1, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=req.repetition_penalty or 1.0, logit_bias=_logit_bias(req.logit_bias, model),
             speculative=req.speculative is not False,

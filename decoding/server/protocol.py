@@ -51,6 +51,7 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(0, ge=0, lt=_INT64)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's logprob + top k
     speculative: bool | None = True  # Medusa tree verification; False: plain one-token steps
 
     @field_validator("stop")
@@ -171,6 +172,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`, keyed by token id: a prompt token's or one of its top alternatives'."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token; None for the first (nothing before it)
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -193,6 +205,7 @@ class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra field: the prompt's, as asked
 
 
 class ChatChunkChoice(BaseModel):
@@ -213,6 +226,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra field: the prompt's, as asked
 
 
 class CompletionResponse(_Response):

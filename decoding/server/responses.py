@@ -122,10 +122,11 @@ class Formatter:
         if self.job.kind == "chat":
             return p.ChatCompletionResponse(choices=[p.ChatChoice(
                 index=i, message=p.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                logprobs=self._chat_logprobs(c.logprobs)) for i, c in enumerate(self.choices)], **common)
+                logprobs=self._chat_logprobs(c.logprobs)) for i, c in enumerate(self.choices)],
+                prompt_logprobs=self._prompt_logprobs(0), **common)
         return p.CompletionResponse(choices=[p.CompletionChoice(
-            index=i, text=self._echo(i) + c.text, finish_reason=c.finish_reason,
-            logprobs=self._echoed_logprobs(i, c)) for i, c in enumerate(self.choices)], **common)
+            index=i, text=self._echo(i) + c.text, finish_reason=c.finish_reason, logprobs=self._echoed_logprobs(i, c),
+            prompt_logprobs=self._prompt_logprobs(i)) for i, c in enumerate(self.choices)], **common)
 
     # ---- streaming ---------------------------------------------------------
 
@@ -181,10 +182,24 @@ class Formatter:
                                               top_logprobs=top))
         return p.ChatLogprobs(content=content)
 
+    def _prompt_logprobs(self, choice: int) -> p.PromptLogprobs | None:
+        """vLLM's `prompt_logprobs`: per prompt token (None for the first) a dict by token id of its own entry
+        and its `prompt_logprobs` most likely alternatives, each with its rank."""
+        k, entries = self.job.prompt_logprobs, self.choices[choice].prompt_logprobs
+        if k is None or entries is None:
+            return None
+        rows: p.PromptLogprobs = [None]
+        for token, entry in zip(self.job.prompts[choice // self.job.params.n][1:], entries[1:]):
+            row = {str(token): _prompt_entry(entry.rank, entry.logprob, self._text(token))}
+            for rank, (t, lp) in enumerate(entry.top[:k], start=1):
+                row.setdefault(str(t), _prompt_entry(rank, lp, self._text(t)))
+            rows.append(row)
+        return rows
+
     def _echoed_logprobs(self, choice: int, acc: _Choice) -> p.CompletionLogprobs | None:
         """A full completion's logprobs: with echo, the prompt's first (its first token has none), then the
         output's, whose text offsets start after the echoed text."""
-        if acc.prompt_logprobs is None:
+        if not self.job.echo or self.job.params.logprobs is None:  # prompt_logprobs alone: their own field
             return self._completion_logprobs(acc, acc.logprobs)
         out = p.CompletionLogprobs()
         prompt = self.job.prompts[choice // self.job.params.n]
@@ -202,13 +217,18 @@ class Formatter:
     def _add_logprobs(self, out: p.CompletionLogprobs, tokens: Iterable[tuple[int, TokenLogprob | None]],
                       offset: int) -> None:
         """Append (token id, its logprob entry or None: the prompt's first token) rows, text offsets from `offset`."""
+        k = self.job.params.logprobs  # the prompt's entries may hold more alternatives (prompt_logprobs)
         for token, entry in tokens:
             text = self._text(token)
             out.tokens.append(text)
             out.token_logprobs.append(None if entry is None else _finite(entry.logprob))
-            out.top_logprobs.append(None if entry is None else {self._text(t): _finite(lp) for t, lp in entry.top})
+            out.top_logprobs.append(None if entry is None else {self._text(t): _finite(lp) for t, lp in entry.top[:k]})
             out.text_offset.append(offset)
             offset += len(text)
+
+
+def _prompt_entry(rank: int | None, logprob: float, text: str) -> p.PromptLogprob:
+    return p.PromptLogprob(logprob=_finite(logprob), rank=rank, decoded_token=text)
 
 
 def _finite(logprob: float) -> float:

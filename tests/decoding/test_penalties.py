@@ -99,7 +99,8 @@ def test_plain_engine_with_penalties_equals_reference(tiny):
     for i, lp in enumerate(logprobs):
         assert lp.logprob == pytest.approx(raw[len(p) - 1 + i, lp.token_id].item(), abs=1e-4)
         assert lp.top[0][0] == int(raw[len(p) - 1 + i].argmax())
-    assert any(lp.top[0][0] != lp.token_id for lp in logprobs)  # a penalty overrode the raw favourite
+        assert lp.rank == 1 + int((raw[len(p) - 1 + i] > raw[len(p) - 1 + i, lp.token_id]).sum())
+    assert any(lp.rank > 1 for lp in logprobs)  # a penalty overrode the raw favourite
 
 
 def test_seeded_sampling_with_penalties_is_batch_invariant_and_lossless(tiny):

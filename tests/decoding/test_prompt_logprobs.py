@@ -27,17 +27,19 @@ def tiny():
 
 @torch.no_grad()
 def reference(model, prompt, k):
-    """(logprob, top-k ids) of prompt[q + 1] from one causal forward over the whole prompt."""
+    """(logprob, rank, top-k ids) of prompt[q + 1] from one causal forward over the whole prompt."""
     ids = torch.tensor(prompt)
     logp = torch.log_softmax(model.compute_logits(model(ids, torch.arange(len(ids)), CausalAttention())).float(), -1)
-    return [(logp[q, prompt[q + 1]].item(), logp[q].topk(k).indices.tolist()) for q in range(len(prompt) - 1)]
+    return [(logp[q, prompt[q + 1]].item(), 1 + int((logp[q] > logp[q, prompt[q + 1]]).sum()),
+             logp[q].topk(k).indices.tolist()) for q in range(len(prompt) - 1)]
 
 
 def check(out, model, prompt, k):
     noted = out.prompt_logprobs
     assert len(noted) == len(prompt) and noted[0] is None
-    for q, (entry, (logprob, top)) in enumerate(zip(noted[1:], reference(model, prompt, k))):
+    for q, (entry, (logprob, rank, top)) in enumerate(zip(noted[1:], reference(model, prompt, k))):
         assert entry.token_id == prompt[q + 1] and entry.logprob == pytest.approx(logprob, abs=1e-4), q
+        assert entry.rank == rank, q
         assert [t for t, _ in entry.top] == top and len(entry.top) == k
 
 

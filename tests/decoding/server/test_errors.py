@@ -193,7 +193,7 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "stop", "seed", "stream", "stream_options", "presence_penalty", "frequency_penalty", "logprobs",
           "top_logprobs", "ignore_eos", "min_tokens", "speculative", "echo", "stop_token_ids", "logit_bias",
           "repetition_penalty", "min_p", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
-          "add_generation_prompt", "continue_final_message"]
+          "add_generation_prompt", "continue_final_message", "prompt_logprobs"]
 # Plausible values mixed in, so the fuzz also reaches past the first validation error.
 plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3], ["a", "b"]]),
              "max_tokens": st.integers(-2, 6), "n": st.integers(0, 3), "temperature": st.floats(-1, 3),
@@ -201,7 +201,8 @@ plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3
              "echo": st.booleans(), "logit_bias": st.dictionaries(st.sampled_from(["1", "7", "x", "-3", "99999"]),
                                                                   st.floats(-300, 300), max_size=3),
              "min_p": st.floats(-0.5, 1.5), "repetition_penalty": st.floats(-1, 3),
-             "truncate_prompt_tokens": st.integers(-3, 5), "continue_final_message": st.booleans()}
+             "truncate_prompt_tokens": st.integers(-3, 5), "continue_final_message": st.booleans(),
+             "prompt_logprobs": st.integers(-1, 3)}
 
 
 @st.composite

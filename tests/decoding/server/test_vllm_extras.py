@@ -1,6 +1,6 @@
 """What a vLLM endpoint has beyond OpenAI's API: /tokenize, /detokenize and /version; the chat template options of
 /v1/chat/completions; include_stop_str_in_output, truncate_prompt_tokens, continuous usage; and OpenAI's echo with
-logprobs (the prompt's logprobs, as evaluation harnesses score). Text prompts get the tokenizer's own special tokens
+logprobs (the prompt's logprobs, as evaluation harnesses score) and vLLM's prompt_logprobs. Text prompts get the tokenizer's own special tokens
 (a BOS where it adds one) wherever they enter."""
 
 from __future__ import annotations
@@ -202,3 +202,70 @@ def test_skip_special_tokens_false_keeps_their_text(client):
     kept = client.post("/v1/completions", json={**body, "skip_special_tokens": False}, headers=auth).json()
     assert skipped == "" and kept["choices"][0]["text"] == "<|im_start|>" * 3
     assert kept["usage"]["completion_tokens"] == 3
+
+
+def full_logprobs(model, ids):
+    """[len(ids), V] log-probabilities of one eager forward: row q - 1 is token q's distribution."""
+    with torch.no_grad():
+        x = torch.tensor(ids)
+        return torch.log_softmax(model.base.compute_logits(
+            model.base(x, torch.arange(len(ids)), CausalAttention())).float(), -1)
+
+
+def check_prompt_logprobs(rows, ids, logp, k, decode):
+    """vLLM's shape: None, then per token a dict by id of its own entry (logprob, rank, decoded_token) and its k
+    most likely alternatives ranked 1..k."""
+    assert len(rows) == len(ids) and rows[0] is None
+    for q in range(1, len(ids)):
+        row, dist = rows[q], logp[q - 1]
+        own = row[str(ids[q])]
+        assert own["logprob"] == pytest.approx(dist[ids[q]].item(), abs=1e-4)
+        assert own["rank"] == 1 + int((dist > dist[ids[q]]).sum()) and own["decoded_token"] == decode([ids[q]])
+        top = dist.topk(k).indices.tolist()
+        assert set(row) == {str(t) for t in top} | {str(ids[q])}
+        assert [row[str(t)]["rank"] for t in top] == list(range(1, k + 1))
+
+
+def test_prompt_logprobs_come_back_in_vllms_shape(client, tiny_model):
+    """vLLM's `prompt_logprobs`: on each completions choice, and at the top of a chat response, for the prompt the
+    model ran (the chat template's tokens)."""
+    auth, decode = {"Authorization": "Bearer secret"}, tiny_model.tokenizer.decode
+    prompt = "The cat sat on the mat"
+    resp = client.post("/v1/completions", json={"prompt": prompt, "prompt_logprobs": 3, "max_tokens": 2,
+                                                "temperature": 0, "n": 2}, headers=auth)
+    assert resp.status_code == 200, resp.text
+    ids = tiny_model.encode(prompt)
+    logp = full_logprobs(tiny_model, ids)
+    for choice in resp.json()["choices"]:
+        check_prompt_logprobs(choice["prompt_logprobs"], ids, logp, 3, decode)
+        assert choice["logprobs"] is None
+    chat = client.post("/v1/chat/completions", json={"messages": MSG, "prompt_logprobs": 0, "max_tokens": 2},
+                       headers=auth).json()
+    chat_ids = client.post("/tokenize", json={"messages": MSG}).json()["tokens"]
+    check_prompt_logprobs(chat["prompt_logprobs"], chat_ids, full_logprobs(tiny_model, chat_ids), 0, decode)
+    plain = client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2}, headers=auth).json()
+    assert plain["prompt_logprobs"] is None
+
+
+def test_prompt_logprobs_beside_echo_keep_each_count(client, tiny_model):
+    """echo + logprobs=1 scores the prompt with one alternative a token; prompt_logprobs=4 asks for four: each
+    part of the response keeps its own count, from one pass over the prompt."""
+    prompt = "The cat sat on the mat"
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "prompt_logprobs": 4, "max_tokens": 1, "temperature": 0}
+    choice = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer secret"}).json()["choices"][0]
+    ids = tiny_model.encode(prompt)
+    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])
+    check_prompt_logprobs(choice["prompt_logprobs"], ids, full_logprobs(tiny_model, ids), 4,
+                          tiny_model.tokenizer.decode)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "prompt_logprobs": "2"}, "prompt_logprobs"),
+])
+def test_prompt_logprobs_requests_refused_name_it(client, path, body, param):
+    resp = client.post(path, json=body, headers={"Authorization": "Bearer secret"})
+    assert error_param(resp, 400) == param
