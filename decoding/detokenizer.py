@@ -174,6 +174,7 @@ class IncrementalDetokenizer:
         self.text = ""  # text so far, cut at a stop string once one is seen
         self.released = 0  # characters of self.text already handed out
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
         self._decoded = ""  # text of the ids decoded so far, never cut
 
     def add(self, token_ids: Sequence[int]) -> str:
@@ -199,8 +200,9 @@ class IncrementalDetokenizer:
 
     def _after_decode(self) -> str:
         text = self._decoded
-        cut = self._first_stop(text)
-        if cut is not None:
+        hit = self._first_stop(text)
+        if hit is not None:
+            cut, self.stop_string = hit
             self.text, self.stopped = text[:cut], True
             return self._release(len(self.text))
         self.text = text
@@ -212,18 +214,18 @@ class IncrementalDetokenizer:
         delta, self.released = self.text[self.released:upto], upto
         return delta
 
-    def _first_stop(self, text: str) -> int | None:
-        """Where the text ends at the earliest stop string (its start, or its end with include_stop); None: no
-        stop string yet. Stops that start at the same place: the first listed."""
+    def _first_stop(self, text: str) -> tuple[int, str] | None:
+        """(where the text ends at the earliest stop string: its start, or its end with include_stop; that
+        string); None: no stop string yet. Stops that start at the same place: the first listed."""
         if not self.stop:
             return None
         # only the unreleased tail plus a stop's length can hold a new match
         start = max(0, self.released - max((len(s) for s in self.stop), default=0))
-        hits = [(i, len(s)) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
         if not hits:
             return None
-        at, length = min(hits, key=lambda hit: hit[0])
-        return at + length if self.include_stop else at
+        at, stop = min(hits, key=lambda hit: hit[0])
+        return (at + len(stop) if self.include_stop else at), stop
 
     def _holdback(self, text: str) -> int:
         hold = len(text) - len(text.rstrip("\ufffd"))
@@ -242,6 +244,7 @@ class FinalDetokenizer:
 
     stop: tuple[str, ...] = ()
     stopped = False
+    stop_string = None
 
     def __init__(self, tokenizer: Any, skip_special: bool = True) -> None:
         self._decode_ids = _decoder(tokenizer, skip_special)

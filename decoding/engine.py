@@ -672,10 +672,12 @@ class LLMEngine:
             for i, token in enumerate(kept):
                 if token in request.stop_ids and done + i >= params.min_tokens:
                     kept, reason = kept[:i], FinishReason.STOP
+                    request.stop_reason = token if token in params.stop_token_ids else None
                     break
         if request.detok is not None:
             kept, stopped = until_stop_string(request, kept)
-            reason = FinishReason.STOP if stopped else reason
+            if stopped:
+                reason, request.stop_reason = FinishReason.STOP, request.detok.stop_string
         seq.append_tokens(kept)
         if request.logprobs:
             del request.logprobs[seq.num_output_tokens:]  # drop those of tokens cut by a stop
@@ -735,7 +737,8 @@ class LLMEngine:
         return RequestOutput(request.parent_id, new, delta, finished,
                              seq.finish_reason.value if seq.finish_reason else None,
                              seq.output_token_ids, seq.num_output_tokens, text, request.stats,
-                             request.index, logprobs, request.prompt_logprobs)
+                             request.index, logprobs, request.prompt_logprobs,
+                             request.stop_reason if finished else None)
 
     def _device_tree(self, spec: TreeSpec) -> DeviceTree:
         if spec not in self._device_trees:

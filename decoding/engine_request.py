@@ -32,6 +32,7 @@ class EngineRequest:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     stats: RequestStats = field(default_factory=RequestStats)
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (past min_tokens): EOS and stop_token_ids
+    stop_reason: int | str | None = None  # vLLM's: the stop_token_ids token or stop string that ended it (not EOS)
     sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
     quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
     host_always: bool = field(init=False)  # logprobs or penalties: every verdict is the host's

@@ -193,6 +193,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop_token_ids token or stop string that ended it
 
 
 class _Response(BaseModel):
@@ -213,6 +214,7 @@ class ChatChunkChoice(BaseModel):
     delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": text}
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -226,6 +228,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop_token_ids token or stop string that ended it
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra field: the prompt's, as asked
 
 

@@ -82,6 +82,7 @@ class _Choice:
     text: str = ""
     num_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offset: int = 0  # characters already streamed (completions' logprobs.text_offset)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs: the prompt's
@@ -105,7 +106,7 @@ class Formatter:
         acc.logprobs += out.new_logprobs or []
         acc.prompt_logprobs = out.prompt_logprobs
         if out.finished:
-            acc.finish_reason = out.finish_reason
+            acc.finish_reason, acc.stop_reason = out.finish_reason, out.stop_reason
 
     def usage(self) -> p.Usage:
         prompt = sum(len(ids) for ids in self.job.prompts)
@@ -120,13 +121,14 @@ class Formatter:
     def response(self) -> p.ChatCompletionResponse | p.CompletionResponse:
         common = dict(id=self.job.request_id, created=self.created, model=self.model_name, usage=self.usage())
         if self.job.kind == "chat":
-            return p.ChatCompletionResponse(choices=[p.ChatChoice(
-                index=i, message=p.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                logprobs=self._chat_logprobs(c.logprobs)) for i, c in enumerate(self.choices)],
-                prompt_logprobs=self._prompt_logprobs(0), **common)
-        return p.CompletionResponse(choices=[p.CompletionChoice(
-            index=i, text=self._echo(i) + c.text, finish_reason=c.finish_reason, logprobs=self._echoed_logprobs(i, c),
-            prompt_logprobs=self._prompt_logprobs(i)) for i, c in enumerate(self.choices)], **common)
+            choices = [p.ChatChoice(index=i, message=p.AssistantMessage(content=c.text),
+                                    logprobs=self._chat_logprobs(c.logprobs), finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason) for i, c in enumerate(self.choices)]
+            return p.ChatCompletionResponse(choices=choices, prompt_logprobs=self._prompt_logprobs(0), **common)
+        choices = [p.CompletionChoice(index=i, text=self._echo(i) + c.text, logprobs=self._echoed_logprobs(i, c),
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                      prompt_logprobs=self._prompt_logprobs(i)) for i, c in enumerate(self.choices)]
+        return p.CompletionResponse(choices=choices, **common)
 
     # ---- streaming ---------------------------------------------------------
 
@@ -146,12 +148,12 @@ class Formatter:
             return None
         if self.job.kind == "chat":
             delta = {"content": out.new_text} if out.new_text else {}
-            return self._chunk(p.ChatChunkChoice(index=choice, delta=delta, finish_reason=acc.finish_reason,
-                                                 logprobs=self._chat_logprobs(new_logprobs)))
+            return self._chunk(p.ChatChunkChoice(index=choice, delta=delta, logprobs=self._chat_logprobs(new_logprobs),
+                                                 finish_reason=acc.finish_reason, stop_reason=acc.stop_reason))
         logprobs = self._completion_logprobs(acc, new_logprobs)
         acc.text_offset += len(out.new_text)
         return self._chunk(p.CompletionChoice(index=choice, text=out.new_text, finish_reason=acc.finish_reason,
-                                              logprobs=logprobs))
+                                              stop_reason=acc.stop_reason, logprobs=logprobs))
 
     def usage_chunk(self) -> p.BaseModel:
         return self._chunk(None, usage=self.usage())

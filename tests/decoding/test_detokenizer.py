@@ -124,6 +124,7 @@ def test_stop_strings_cut_the_text_there(tokenizer, stop):
     whole = tokenizer.decode(ids, skip_special_tokens=True)
     cut = min(whole.find(s) for s in stop if s in whole)
     assert detok.stopped and detok.text == released == whole[:cut]
+    assert detok.stop_string == next(s for s in stop if whole.find(s) == cut)
 
 
 @pytest.mark.parametrize("stop", [["ünïcode"], ["世界"], ["🚀"], ["x **", "wörld"], ["wör", "wörld"], [" and math"]])
@@ -133,7 +134,7 @@ def test_with_include_stop_the_text_ends_after_the_stop_string(tokenizer, stop):
     whole = tokenizer.decode(ids, skip_special_tokens=True)
     at = min(whole.find(s) for s in stop if s in whole)
     first = next(s for s in stop if whole.find(s) == at)  # of stops starting there, the one listed first
-    assert detok.stopped and detok.text == released == whole[:at + len(first)]
+    assert detok.stopped and detok.text == released == whole[:at + len(first)] and detok.stop_string == first
 
 
 def test_text_never_runs_past_an_unfinished_stop_string(tokenizer):

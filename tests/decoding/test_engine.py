@@ -142,12 +142,13 @@ def test_min_tokens_and_stop_token_ids(tiny):
     free = batch1(model, p, 12)
     stop = free[4]
     out = make_engine(model, heads).generate([p], SamplingParams(max_tokens=12, stop_token_ids=(stop,)))[0]
-    assert out.finish_reason == "stop" and out.token_ids == free[: free.index(stop)]
+    assert out.finish_reason == "stop" and out.token_ids == free[: free.index(stop)] and out.stop_reason == stop
     # min_tokens: the stop token may not be chosen before 6 outputs, at any tree node
     held = make_engine(model, heads).generate([p], SamplingParams(max_tokens=12, min_tokens=6,
                                                                   stop_token_ids=(stop,)))[0]
     assert stop not in held.token_ids[:6] and held.token_ids[:4] == free[:4]
-    assert len(held.token_ids) >= 6
+    assert len(held.token_ids) >= 6 and held.stop_reason in (stop, None)  # a stop or the length
+    assert (held.stop_reason is None) == (held.finish_reason == "length")
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="min_tokens"):

@@ -148,6 +148,34 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client):
                        headers=auth).json()["choices"][0]
     assert cut["finish_reason"] == kept["finish_reason"] == "stop"
     assert kept["text"] == cut["text"] + stop and free.startswith(kept["text"])
+    assert cut["stop_reason"] == kept["stop_reason"] == stop
+
+
+def test_stop_reason_names_the_stop_string_or_token(client, tiny_model):
+    """vLLM's stop_reason: the stop string or stop_token_ids token that ended a choice; None for the length (and
+    EOS); on a full response and on a stream's last chunk, chat and completions alike."""
+    auth = {"Authorization": "Bearer secret"}
+    free = client.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 12, "temperature": 0},
+                       headers=auth).json()["choices"][0]
+    ids = tiny_model.tokenizer("Once upon" + free["text"], add_special_tokens=False)["input_ids"]
+    token = ids[-6]  # a token of the greedy answer's middle
+    assert free["finish_reason"] == "length" and free["stop_reason"] is None
+    stop = free["text"][len(free["text"]) // 2:][:2]
+    cases = [({"stop": ["zzzz-never", stop]}, stop), ({"stop_token_ids": [token]}, token)]
+    for extra, reason in cases:
+        body = {"prompt": "Once upon", "max_tokens": 12, "temperature": 0, **extra}
+        choice = client.post("/v1/completions", json=body, headers=auth).json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] == reason, extra
+        last = sse_payloads(client.post("/v1/completions", json={**body, "stream": True}, headers=auth))[-1]
+        assert last["choices"][0]["stop_reason"] == reason
+    chat = {"messages": MSG, "max_tokens": 8, "temperature": 0}
+    said = client.post("/v1/chat/completions", json=chat, headers=auth).json()["choices"][0]["message"]["content"]
+    stop = said[len(said) // 2:][:2]
+    choice = client.post("/v1/chat/completions", json={**chat, "stop": [stop]}, headers=auth).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    chunks = sse_payloads(client.post("/v1/chat/completions", json={**chat, "stop": [stop], "stream": True},
+                                      headers=auth))
+    assert [c["choices"][0]["stop_reason"] for c in chunks if c["choices"]][-1] == stop
 
 
 def sse_payloads(resp):
