@@ -5,8 +5,9 @@ engine cannot honour), so the engine only ever sees requests it can run.
 
 logit_bias, repetition_penalty, presence_penalty and frequency_penalty go to the
 engine, which applies them along every tree node's own path, so they stay
-lossless with Medusa. Tools, structured output and `suffix` are refused with a
-400 rather than silently ignored.
+lossless with Medusa. Tools, structured output, `suffix` and vLLM's fields that
+change the output but are not implemented (`UNSERVED`) are refused with a 400
+rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ from medusa.decoding.server.protocol import (ChatCompletionRequest, CompletionRe
 ENGINE_CONTEXT_MARGIN = 8
 # Below this a temperature only amplifies float error: treat it as greedy (vLLM does the same).
 GREEDY_BELOW = 1e-5
+# vLLM's request fields this server does not implement, each refused when set (not null, false or empty)
+UNSERVED = {**dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+                            "structured output is not implemented"),
+            "use_beam_search": "beam search is not implemented",
+            "bad_words": "bad_words is not implemented (logit_bias can ban single tokens)",
+            "allowed_token_ids": "allowed_token_ids is not implemented (logit_bias can ban single tokens)",
+            "logits_processors": "custom logits processors are not served",
+            "prompt_embeds": "prompts are served as text or token ids only"}
 
 
 def context_limit(model: Any, config: EngineConfig) -> int:
@@ -102,6 +111,9 @@ def completion_job(req: CompletionRequest, model: Any, max_model_len: int) -> Jo
 
 def _job(kind: str, req: _SamplingRequest, prompts: list[list[int]], params: SamplingParams,
          echo: list[str] | None = None) -> Job:
+    for name, why in UNSERVED.items():
+        if getattr(req, name) not in (None, False, "", [], {}):
+            raise unsupported(name, why)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if req.prompt_logprobs is not None and req.stream:

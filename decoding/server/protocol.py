@@ -53,6 +53,18 @@ class _SamplingRequest(_Strict):
     min_tokens: int | None = Field(0, ge=0, lt=_INT64)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's logprob + top k
     speculative: bool | None = True  # Medusa tree verification; False: plain one-token steps
+    # vLLM's fields that change the output and that this server does not implement: read so that a request
+    # setting one is refused (jobs.UNSERVED) rather than answered as if it had not
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    logits_processors: Any = None
+    prompt_embeds: Any = None
 
     @field_validator("stop")
     @classmethod

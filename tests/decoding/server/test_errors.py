@@ -91,6 +91,14 @@ BAD = [
     (COMP, comp(frequency_penalty=2.001), 400, "frequency_penalty"),
     (COMP, comp(presence_penalty=-7), 400, "presence_penalty"),
     (COMP, comp(model="nope"), 404, "model"),
+    # vLLM's fields that would change the answer and are not implemented: refused, never ignored
+    (CHAT, chat(guided_json={"type": "object"}), 400, "guided_json"),
+    (CHAT, chat(guided_choice=["yes", "no"]), 400, "guided_choice"),
+    (COMP, comp(guided_regex="[0-9]+"), 400, "guided_regex"),
+    (COMP, comp(structured_outputs={"choice": ["a"]}), 400, "structured_outputs"),
+    (CHAT, chat(use_beam_search=True), 400, "use_beam_search"),
+    (COMP, comp(bad_words=["the"]), 400, "bad_words"),
+    (COMP, comp(allowed_token_ids=[1, 2]), 400, "allowed_token_ids"),
 ]
 
 

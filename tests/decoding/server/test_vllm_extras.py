@@ -1,7 +1,7 @@
 """What a vLLM endpoint has beyond OpenAI's API: /tokenize, /detokenize and /version; the chat template options of
-/v1/chat/completions; include_stop_str_in_output, truncate_prompt_tokens, continuous usage; and OpenAI's echo with
-logprobs (the prompt's logprobs, as evaluation harnesses score) and vLLM's prompt_logprobs. Text prompts get the tokenizer's own special tokens
-(a BOS where it adds one) wherever they enter."""
+/v1/chat/completions; include_stop_str_in_output, truncate_prompt_tokens, continuous usage, stop_reason; OpenAI's
+echo with logprobs (the prompt's logprobs, as evaluation harnesses score) and vLLM's prompt_logprobs. Text prompts
+get the tokenizer's own special tokens (a BOS where it adds one) wherever they enter."""
 
 from __future__ import annotations
 
@@ -297,3 +297,13 @@ def test_prompt_logprobs_beside_echo_keep_each_count(client, tiny_model):
 def test_prompt_logprobs_requests_refused_name_it(client, path, body, param):
     resp = client.post(path, json=body, headers={"Authorization": "Bearer secret"})
     assert error_param(resp, 400) == param
+
+
+def test_unserved_vllm_fields_at_their_defaults_are_accepted(client):
+    """Clients built for vLLM send its fields at their defaults: those are served; set, they are refused
+    (test_errors.BAD)."""
+    defaults = {"use_beam_search": False, "guided_json": None, "bad_words": [], "allowed_token_ids": None,
+                "structured_outputs": None, "logits_processors": None}
+    for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": MSG})):
+        resp = client.post(path, json={**body, "max_tokens": 2, **defaults}, headers={"Authorization": "Bearer secret"})
+        assert resp.status_code == 200, resp.text
