@@ -84,6 +84,7 @@ class _InFlight:
     timed: bool
     prompt_hidden: torch.Tensor | None = None  # [P, H] of the prompt chunks its forward carried
     rows: list[list[int]] | None = None  # read back, waiting to be applied with the next ones
+    read_at: float = 0.0  # perf_counter when its rows reached the host
 
 
 @dataclass
@@ -419,6 +420,7 @@ class LLMEngine:
         """The overlapped step's packed rows to the host (waiting for the step), kept with the steps to apply."""
         flight, self._inflight = self._inflight, None
         flight.rows = flight.result.tolist()
+        flight.read_at = time.perf_counter()
         self._pending.append(flight)
 
     def _apply_pending(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
@@ -430,21 +432,28 @@ class LLMEngine:
             for request in flight.requests:
                 request.seq.num_inflight_tokens -= most
         outputs = self._apply_steps(flights, ahead, ahead_nodes)
-        now = time.perf_counter()
-        # A step's cost is the time between two read-backs, which a run of overlapped steps reaches from its
-        # second step on (for steps applied together, that time shared out). The first one's host work
-        # overlaps nothing: timed, a lone plain step (a revisit) would charge plain decoding the cost of a step
-        # without overlap, and speculation would win too often. One launched after a prefill would be charged
-        # the prefill (on an 8B shape, several ms), and with speculation requests finish, so prompts are
-        # admitted, at scattered steps: its revisits, at 8B and 64 requests, charged plain decoding twice its
-        # step (session 9).
-        if all(flight.timed for flight in flights):
-            each = (now - self._read_back_time) / len(flights)
-            for flight in flights:
-                if flight.padded in self.policy.step_cost:
-                    self.policy.observe_step(flight.padded, flight.tree.spec, each, flight.propose)
-        self._read_back_time = now
+        self._observe_costs(flights, time.perf_counter())
         return outputs
+
+    def _observe_costs(self, flights: list[_InFlight], applied_at: float) -> None:
+        """Each timed step's cost, for the policy: the time between its read-back and the one before it
+        (the first of these steps: since the last application), plus its share of this application.
+        A run of overlapped steps reaches that from its second step on. The first one's host work
+        overlaps nothing: timed, a lone plain step (a revisit) would charge plain decoding the cost of a step
+        without overlap, and speculation would win too often. One launched after a prefill would be charged
+        the prefill (on an 8B shape, several ms), and with speculation requests finish, so prompts are
+        admitted, at scattered steps: its revisits, at 8B and 64 requests, charged plain decoding twice its
+        step (session 9). Steps applied together are timed one by one, not only when all of them are: with
+        apply_interval=4 at 32 requests, admissions every other step left the policy a quarter of its
+        timings, and its decision unsettled (session 35, RESULTS.md)."""
+        share = (applied_at - flights[-1].read_at) / len(flights)
+        previous = self._read_back_time
+        for flight in flights:
+            if flight.timed and flight.padded in self.policy.step_cost:
+                self.policy.observe_step(flight.padded, flight.tree.spec, flight.read_at - previous + share,
+                                         flight.propose)
+            previous = flight.read_at
+        self._read_back_time = applied_at
 
     def _start_decoding(self, ready: list[tuple[EngineRequest, int]], hidden: torch.Tensor) -> list[RequestOutput]:
         """Sequences whose prompt is now cached get a decode state row, their pending root and the

@@ -4,6 +4,7 @@ nothing actually runs ahead, but the bookkeeping is the same as on a GPU: the ho
 backing the in-flight tokens, commits at read-back, rows finished or aborted in flight."""
 
 import itertools
+import time
 
 import pytest
 
@@ -262,6 +263,28 @@ def test_steps_sharing_their_time_with_a_prefill_teach_the_policy_nothing(tiny):
         assert len(done) == 12 and len(prefilled) >= 12 and len(timed) > 10
         launched_in = [i - 1 for i in timed] if overlap else timed  # the engine step each timed step ran in
         assert not prefilled & set(launched_in), overlap
+
+
+def test_steps_applied_together_are_timed_one_by_one(tiny):
+    """With apply_interval=4 the policy is told each timed step's cost, as when every step is applied, not only
+    groups of four steps none of which shared its time with a prefill: at 32 requests on the H200, admissions
+    every other step left it a quarter of the timings (session 35). Each cost is a step's share of the wall time."""
+    model, heads = tiny
+    ps = random_prompts(48, VOCAB, 30, seed=11)
+    counts = {}
+    for interval in (1, 4):  # a closed loop of 8: requests finish, and others are admitted, at most steps
+        engine = engine_for(model, heads, True, apply_interval=interval, max_num_seqs=8)
+        for tree in engine.scheduler.trees:  # a measured policy at every batch size, so that steps get timed
+            engine.policy.add_prior(tree, unmeasured_prior(4))
+            for bucket in range(1, 65):
+                engine.policy.add_cost(bucket, tree, 1e-3)
+        seconds, observe = [], engine.policy.observe_step
+        engine.policy.observe_step = lambda *a, **kw: seconds.append(a[2]) or observe(*a, **kw)
+        start = time.perf_counter()
+        done = run_staggered(engine, ps, [SamplingParams(max_tokens=8 + 3 * (i % 5)) for i in range(48)], per_step=48)
+        assert len(done) == 48 and min(seconds) > 0 and sum(seconds) < time.perf_counter() - start
+        counts[interval] = len(seconds)
+    assert counts[1] > 10 and counts[4] >= 0.75 * counts[1], counts
 
 
 def fixed_tree_engine(model, heads, interval, trees=EngineConfig.trees):
