@@ -174,7 +174,8 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         ids = prompt_token_ids(prompt, self.tokenizer, vocab)
         bias_ids = [t for t, _ in params.logit_bias]
-        for name, named in (("stop_token_ids", params.stop_token_ids), ("logit_bias", bias_ids)):
+        for name, named in (("stop_token_ids", params.stop_token_ids), ("logit_bias", bias_ids),
+                            ("allowed_token_ids", params.allowed_token_ids or ())):
             too_big = [t for t in named if t >= vocab]
             if too_big:
                 raise ValueError(f"{name} names token ids {too_big} past the model's vocabulary of {vocab} tokens")

@@ -34,8 +34,8 @@ def suppress_eos(params: SamplingParams, produced: int, banned: Sequence[int], l
 def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Tensor,
              tree: DeviceTree | None = None, candidates: torch.Tensor | None = None,
              prompt_ids: Sequence[int] = ()) -> torch.Tensor:
-    """logit_bias, then the repetition penalty and OpenAI's presence / frequency penalties, at every tree node,
-    each from its own text (vLLM's order and semantics).
+    """logit_bias and allowed_token_ids, then the repetition penalty and OpenAI's presence / frequency penalties,
+    at every tree node, each from its own text (vLLM's order and semantics).
 
     logits [N, V] at the nodes of `tree` (candidates [N], root first), or [1, V]
     at the last token with no tree. Row i predicts the token after node i, so
@@ -56,6 +56,9 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias)
         logits[:, torch.tensor(ids, device=device)] += torch.tensor(bias, device=device)
+    if params.allowed_token_ids is not None:
+        allowed = torch.tensor(params.allowed_token_ids, device=device)
+        logits = torch.full_like(logits, float("-inf")).index_copy_(1, allowed, logits[:, allowed])
     output = torch.tensor(list(output_ids), dtype=torch.long, device=device)
     counts = torch.bincount(output, minlength=vocab).float()[None].repeat(num_nodes, 1)  # [N, V]
     if tree is not None and num_nodes > 1:

@@ -35,6 +35,9 @@ class SamplingParams:
     # token id -> bias added to its logit before any penalty (OpenAI's logit_bias, in [-100, 100]). A dict is
     # kept as sorted (id, bias) pairs, so that the params stay hashable
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: only these tokens may be output (sorted, no repeats); None: any. Like the bias, applied per tree
+    # node before the verdict, so Medusa still gives plain decoding's tokens
+    allowed_token_ids: tuple[int, ...] | None = None
     speculative: bool = True  # False: plain decoding, which only an engine without heads runs (it checks)
     # "delta": every output carries the text its new tokens add (streaming: the text is decoded every
     # step). "final": text only in the finished output, decoded once at the end; earlier outputs carry
@@ -84,6 +87,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a number > 0 (1 is off), got {rep!r}")
         object.__setattr__(self, "repetition_penalty", float(rep))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = list(self.allowed_token_ids) if not isinstance(self.allowed_token_ids, (str, bytes)) else [None]
+            if not allowed or any(not _is_int(t) or t < 0 for t in allowed):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
+                                 f"got {self.allowed_token_ids!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in allowed})))
         if self.output_kind not in ("delta", "final"):
             raise ValueError(f"output_kind must be 'delta' or 'final', got {self.output_kind!r}")
         for name in ("temperature", "top_p", "min_p"):
@@ -94,9 +103,9 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether any logit change (bias or penalty) applies: the host then gives every verdict."""
+        """Whether any logit change (bias, allowed tokens or penalty) applies: the host then gives every verdict."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.allowed_token_ids is not None)
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

@@ -35,7 +35,6 @@ UNSERVED = {**dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "gu
                             "structured output is not implemented"),
             "use_beam_search": "beam search is not implemented",
             "bad_words": "bad_words is not implemented (logit_bias can ban single tokens)",
-            "allowed_token_ids": "allowed_token_ids is not implemented (logit_bias can ban single tokens)",
             "logits_processors": "custom logits processors are not served",
             "prompt_embeds": "prompts are served as text or token ids only"}
 
@@ -171,6 +170,7 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
             ignore_eos=bool(req.ignore_eos), n=req.n or 1, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=req.repetition_penalty or 1.0, logit_bias=_logit_bias(req.logit_bias, model),
+            allowed_token_ids=_allowed_token_ids(req.allowed_token_ids, model),
             speculative=req.speculative is not False,
             output_kind="delta" if req.stream else "final")  # a full response is read once, at the end
     except ValueError as err:  # e.g. min_tokens > max_tokens
@@ -196,6 +196,14 @@ def _logit_bias(bias: dict[str, float] | None, model: Any) -> dict[int, float]:
         raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
     _check_token_ids(list(ids), model, "logit_bias")
     return {token: min(max(value, -100.0), 100.0) for token, value in ids.items()}
+
+
+def _allowed_token_ids(allowed: list[int] | None, model: Any) -> tuple[int, ...] | None:
+    """vLLM's allowed_token_ids: None or [] (its default) allows every token."""
+    if not allowed:
+        return None
+    _check_token_ids(allowed, model, "allowed_token_ids")
+    return tuple(allowed)
 
 
 def _room(prompts: list[list[int]], max_model_len: int) -> int:

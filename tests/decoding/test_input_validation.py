@@ -73,6 +73,8 @@ def test_engine_rejects_stop_token_ids_past_the_vocabulary(engine):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=[2, VOCAB + 1]))
     with pytest.raises(ValueError, match=rf"logit_bias names token ids \[{VOCAB}\] past the model's vocabulary"):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, logit_bias={1: 5.0, VOCAB: -5.0}))
+    with pytest.raises(ValueError, match=rf"allowed_token_ids names token ids \[{VOCAB + 1}\] past the model's"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, allowed_token_ids=[2, VOCAB + 1]))
     assert not engine.has_unfinished()
 
 

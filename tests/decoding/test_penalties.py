@@ -1,5 +1,5 @@
-"""logit_bias, repetition_penalty, presence_penalty and frequency_penalty on the engine: applied along each tree
-node's own path, so Medusa with them equals plain decoding with them (greedy and seeded sampling)."""
+"""logit_bias, allowed_token_ids, repetition_penalty, presence_penalty and frequency_penalty on the engine: applied
+along each tree node's own path, so Medusa with them equals plain decoding with them (greedy and seeded sampling)."""
 
 import pytest
 import torch
@@ -15,7 +15,8 @@ PENALTIES = [dict(frequency_penalty=0.7), dict(presence_penalty=0.9),
              dict(presence_penalty=0.4, frequency_penalty=0.3), dict(presence_penalty=-0.5),
              dict(frequency_penalty=-0.6), dict(presence_penalty=2.0, frequency_penalty=2.0),
              dict(repetition_penalty=1.8), dict(repetition_penalty=0.6), dict(logit_bias={3: 2.5, 7: -4.0}),
-             dict(logit_bias={5: 1.5}, repetition_penalty=1.4, frequency_penalty=0.2)]
+             dict(logit_bias={5: 1.5}, repetition_penalty=1.4, frequency_penalty=0.2),
+             dict(allowed_token_ids=[2, 5, 7, 9]), dict(allowed_token_ids=[1, 4, 6, 8, 10], frequency_penalty=0.5)]
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
@@ -34,12 +35,16 @@ def prompts(n, seed=0):
 
 
 def penalized(logits, prompt, output, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-              logit_bias=None):
-    """vLLM's rules, written independently of the engine: the bias, then the repetition penalty over the prompt and
-    the output, then OpenAI's presence / frequency penalties over the output only."""
+              logit_bias=None, allowed_token_ids=None):
+    """vLLM's rules, written independently of the engine: the bias and the allowed tokens, then the repetition
+    penalty over the prompt and the output, then OpenAI's presence / frequency penalties over the output only."""
     logits = logits.float().clone()
     for token, bias in (logit_bias or {}).items():
         logits[token] += bias
+    if allowed_token_ids is not None:
+        for token in range(logits.shape[-1]):
+            if token not in allowed_token_ids:
+                logits[token] = float("-inf")
     counts = torch.zeros(logits.shape[-1])
     for token in output:
         counts[token] += 1
@@ -123,6 +128,16 @@ def test_seeded_sampling_with_penalties_is_batch_invariant_and_lossless(tiny):
     assert unpenalized.token_ids != alone  # the penalties did something
 
 
+def test_seeded_sampling_with_allowed_tokens_draws_only_them_as_plain_decoding_does(tiny):
+    model, heads = tiny
+    allowed = [0, 3, 4, 8, 11]
+    params = SamplingParams(max_tokens=32, temperature=0.8, seed=3, allowed_token_ids=allowed)
+    medusa = engine(model, heads).generate(prompts(4, seed=5), params)
+    plain = engine(model, None).generate(prompts(4, seed=5), params)
+    assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
+    assert all(set(o.token_ids) <= set(allowed) for o in medusa) and sum(o.stats.accepted_tokens for o in medusa)
+
+
 @pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
 @pytest.mark.parametrize("value", [2.01, -3, float("nan"), "1"])
 def test_penalty_validation_names_the_field(name, value):
@@ -147,6 +162,9 @@ def test_penalties_change_the_greedy_output():
     (dict(logit_bias={-1: 1.0}), "logit_bias keys must be token ids"), (dict(logit_bias={"3": 1.0}), "logit_bias keys"),
     (dict(logit_bias=[(2, 1.0), (2, 3.0)]), "logit_bias names a token twice"),
     (dict(logit_bias=5), "logit_bias must map"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),
+    (dict(allowed_token_ids=[1, -2]), "allowed_token_ids must be"), (dict(allowed_token_ids="12"), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
 ])
 def test_bias_and_repetition_validation_names_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -157,3 +175,5 @@ def test_logit_bias_is_kept_as_sorted_pairs():
     params = SamplingParams(logit_bias={9: -1, 2: 0.5})
     assert params.logit_bias == ((2, 0.5), (9, -1.0)) and params.has_penalties and hash(params)
     assert SamplingParams(repetition_penalty=1).has_penalties is False
+    allowed = SamplingParams(allowed_token_ids=[9, 2, 9])
+    assert allowed.allowed_token_ids == (2, 9) and allowed.has_penalties and hash(allowed)

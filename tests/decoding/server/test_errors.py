@@ -98,7 +98,9 @@ BAD = [
     (COMP, comp(structured_outputs={"choice": ["a"]}), 400, "structured_outputs"),
     (CHAT, chat(use_beam_search=True), 400, "use_beam_search"),
     (COMP, comp(bad_words=["the"]), 400, "bad_words"),
-    (COMP, comp(allowed_token_ids=[1, 2]), 400, "allowed_token_ids"),
+    (COMP, comp(allowed_token_ids=[1, 99999999]), 400, "allowed_token_ids"),
+    (CHAT, chat(allowed_token_ids=[1, -1]), 400, "allowed_token_ids"),
+    (CHAT, chat(allowed_token_ids="1"), 400, "allowed_token_ids"),
 ]
 
 
@@ -201,7 +203,7 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "stop", "seed", "stream", "stream_options", "presence_penalty", "frequency_penalty", "logprobs",
           "top_logprobs", "ignore_eos", "min_tokens", "speculative", "echo", "stop_token_ids", "logit_bias",
           "repetition_penalty", "min_p", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
-          "add_generation_prompt", "continue_final_message", "prompt_logprobs"]
+          "add_generation_prompt", "continue_final_message", "prompt_logprobs", "allowed_token_ids"]
 # Plausible values mixed in, so the fuzz also reaches past the first validation error.
 plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3], ["a", "b"]]),
              "max_tokens": st.integers(-2, 6), "n": st.integers(0, 3), "temperature": st.floats(-1, 3),
@@ -210,7 +212,7 @@ plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3
                                                                   st.floats(-300, 300), max_size=3),
              "min_p": st.floats(-0.5, 1.5), "repetition_penalty": st.floats(-1, 3),
              "truncate_prompt_tokens": st.integers(-3, 5), "continue_final_message": st.booleans(),
-             "prompt_logprobs": st.integers(-1, 3)}
+             "prompt_logprobs": st.integers(-1, 3), "allowed_token_ids": st.lists(st.integers(-1, 60), max_size=3)}
 
 
 @st.composite

@@ -299,6 +299,18 @@ def test_prompt_logprobs_requests_refused_name_it(client, path, body, param):
     assert error_param(resp, 400) == param
 
 
+def test_allowed_token_ids_limit_what_is_written(client, tiny_model):
+    """vLLM's allowed_token_ids: every output token is one of them, under Medusa trees as in plain steps."""
+    allowed = tiny_model.tokenizer(" red green blue", add_special_tokens=False)["input_ids"]
+    for speculative in (True, False):
+        body = {"prompt": "Name a colour:", "max_tokens": 8, "temperature": 0, "allowed_token_ids": allowed,
+                "speculative": speculative, "logprobs": 0}
+        resp = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer secret"})
+        assert resp.status_code == 200, resp.text
+        tokens = resp.json()["choices"][0]["logprobs"]["tokens"]  # each output token's text
+        assert len(tokens) == 8 and set(tokens) <= {tiny_model.tokenizer.decode([t]) for t in allowed}
+
+
 def test_unserved_vllm_fields_at_their_defaults_are_accepted(client):
     """Clients built for vLLM send its fields at their defaults: those are served; set, they are refused
     (test_errors.BAD)."""
