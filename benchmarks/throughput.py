@@ -131,8 +131,11 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
             # drain at scattered steps, left out); None with a single wave
             "full_tok_s": full_tokens / full_seconds if full_seconds else None,
             "engine_steps": steps, "ms_per_step": 1e3 * seconds / steps,
-            # decode graphs captured during the run (not by warmup), and the seconds that took
+            # decode graphs captured during the run (not by warmup), and the seconds that took: a level's first run
+            # captures the mixed graphs of the trees its batch sizes settle on (session 35: 0.22-0.44 s of runs of
+            # 1.2-2.9 s at 32-64 requests), so compare runs by ms a step without them too
             "graphs_captured": step.num_graphs - graphs_before, "capture_s": step.capture_seconds - capture_before,
+            "ms_per_step_less_captures": 1e3 * (seconds - step.capture_seconds + capture_before) / steps,
             # sequences per decode step: below C where requests drain at the end or wait for prefill
             "mean_decode_batch": verify_steps / max(decode_steps, 1),
             "mean_accepted_length": emitted / max(verify_steps, 1),
@@ -373,7 +376,9 @@ def main() -> None:
         print(f"{r['model']:>14} {r['mode']:>6} C={r['concurrency']:<3} {r['tok_s']:9.1f} tok/s "
               f"{r['speedup']:.2f}x (pairs {pairs})  {r['ms_per_step']:.2f} ms/step  "
               f"accepted {r['mean_accepted_length']:.2f}"
-              + (f"  all slots busy {r['full_speedup']:.2f}x" if r["full_speedup"] else ""))
+              + (f"  all slots busy {r['full_speedup']:.2f}x" if r["full_speedup"] else "")
+              + (f"  [{r['graphs_captured']} graphs captured in the run, {r['capture_s']:.2f} s: "
+                 f"{r['ms_per_step_less_captures']:.2f} ms/step without]" if r["graphs_captured"] else ""))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ def test_throughput_quick(tmp_path):
         assert row["tok_s"] > 0 and row["mean_accepted_length"] >= 1.0
         assert len(row["tok_s_runs"]) == 3 and row["tok_s"] == sorted(row["tok_s_runs"])[1]  # the median of 3
         assert row["graphs_captured_runs"] == [0] * 3 and row["capture_s_runs"] == [0.0] * 3  # no graphs on a CPU
+        assert row["ms_per_step_less_captures"] == pytest.approx(row["ms_per_step"])
         # nothing compiled (Triton's interpreter runs the kernels as Python)
         assert row["triton_compiles_runs"] == [0] * 3 and row["compile_s_runs"] == [0.0] * 3
         assert sum(row["decode_steps_per_tree"].values()) > 0 and 1 <= row["mean_decode_batch"] <= c
