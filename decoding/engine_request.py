@@ -32,6 +32,7 @@ class EngineRequest:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     stats: RequestStats = field(default_factory=RequestStats)
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (past min_tokens): EOS and stop_token_ids
+    bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (`bad_word_ids`)
     stop_reason: int | str | None = None  # vLLM's: the stop_token_ids token or stop string that ended it (not EOS)
     sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
     quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
@@ -56,6 +57,15 @@ def make_detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetok
     if params.output_kind == "final" and not params.stop:
         return FinalDetokenizer(tokenizer, params.skip_special_tokens)
     return IncrementalDetokenizer(tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
+
+
+def bad_word_ids(tokenizer: Any, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each word's token sequences as the tokenizer writes it alone and after a space (vLLM's two spellings)."""
+    if words and tokenizer is None:
+        raise ValueError("bad_words needs the engine's tokenizer (this engine was made without one)")
+    spelled = {tuple(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+               for word in words for prefix in ("", " ")}
+    return tuple(sorted(ids for ids in spelled if ids))
 
 
 def until_stop_string(request: EngineRequest, tokens: list[int]) -> tuple[list[int], bool]:

@@ -33,9 +33,9 @@ def suppress_eos(params: SamplingParams, produced: int, banned: Sequence[int], l
 
 def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Tensor,
              tree: DeviceTree | None = None, candidates: torch.Tensor | None = None,
-             prompt_ids: Sequence[int] = ()) -> torch.Tensor:
-    """logit_bias and allowed_token_ids, then the repetition penalty and OpenAI's presence / frequency penalties,
-    at every tree node, each from its own text (vLLM's order and semantics).
+             prompt_ids: Sequence[int] = (), bad_words: Sequence[tuple[int, ...]] = ()) -> torch.Tensor:
+    """logit_bias, allowed_token_ids and bad words (token sequences), then the repetition penalty and OpenAI's
+    presence / frequency penalties, at every tree node, each from its own text (vLLM's order and semantics).
 
     logits [N, V] at the nodes of `tree` (candidates [N], root first), or [1, V]
     at the last token with no tree. Row i predicts the token after node i, so
@@ -59,6 +59,8 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
     if params.allowed_token_ids is not None:
         allowed = torch.tensor(params.allowed_token_ids, device=device)
         logits = torch.full_like(logits, float("-inf")).index_copy_(1, allowed, logits[:, allowed])
+    if bad_words:
+        _ban_bad_words(logits, bad_words, output_ids, tree, candidates)
     output = torch.tensor(list(output_ids), dtype=torch.long, device=device)
     counts = torch.bincount(output, minlength=vocab).float()[None].repeat(num_nodes, 1)  # [N, V]
     if tree is not None and num_nodes > 1:
@@ -71,6 +73,27 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
         penalty = params.repetition_penalty
         logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
     return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+
+
+def _ban_bad_words(logits: torch.Tensor, words: Sequence[tuple[int, ...]], output_ids: Sequence[int],
+                   tree: DeviceTree | None, candidates: torch.Tensor | None) -> None:
+    """In place: at each node, the last token of every word whose other tokens end the node's text (the output,
+    then its path below the root) is banned. A host loop over nodes and words: bad_words is rare and small."""
+    num_nodes = logits.shape[0]
+    paths = [[] for _ in range(num_nodes)]
+    if tree is not None and num_nodes > 1:
+        mask, tokens, depths = tree.mask.tolist(), candidates.tolist(), tree.depths.tolist()
+        for i in range(num_nodes):
+            below_root = sorted((j for j in range(1, num_nodes) if mask[i][j]), key=depths.__getitem__)
+            paths[i] = [tokens[j] for j in below_root]
+    longest = max(len(word) for word in words)
+    tail = list(output_ids[-longest:])
+    for i, path in enumerate(paths):
+        text = (tail + path)[-longest:]
+        for word in words:
+            before = len(word) - 1
+            if before == 0 or (len(text) >= before and text[len(text) - before:] == list(word[:-1])):
+                logits[i, word[-1]] = float("-inf")
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:

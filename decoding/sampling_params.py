@@ -38,6 +38,10 @@ class SamplingParams:
     # vLLM's: only these tokens may be output (sorted, no repeats); None: any. Like the bias, applied per tree
     # node before the verdict, so Medusa still gives plain decoding's tokens
     allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: words that may not be written. A word's token sequence (as the tokenizer writes it alone and after a
+    # space) may not be completed: its last token is banned wherever the output (and a tree node's path) ends with
+    # the rest; a one-token word is banned outright
+    bad_words: tuple[str, ...] = ()
     speculative: bool = True  # False: plain decoding, which only an engine without heads runs (it checks)
     # "delta": every output carries the text its new tokens add (streaming: the text is decoded every
     # step). "final": text only in the finished output, decoded once at the end; earlier outputs carry
@@ -93,6 +97,9 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
                                  f"got {self.allowed_token_ids!r}")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in allowed})))
+        if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if self.output_kind not in ("delta", "final"):
             raise ValueError(f"output_kind must be 'delta' or 'final', got {self.output_kind!r}")
         for name in ("temperature", "top_p", "min_p"):
@@ -105,7 +112,7 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Whether any logit change (bias, allowed tokens or penalty) applies: the host then gives every verdict."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias) or self.allowed_token_ids is not None)
+                or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words))
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

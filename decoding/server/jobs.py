@@ -34,7 +34,6 @@ GREEDY_BELOW = 1e-5
 UNSERVED = {**dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
                             "structured output is not implemented"),
             "use_beam_search": "beam search is not implemented",
-            "bad_words": "bad_words is not implemented (logit_bias can ban single tokens)",
             "logits_processors": "custom logits processors are not served",
             "prompt_embeds": "prompts are served as text or token ids only"}
 
@@ -158,6 +157,8 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
         raise bad_request(f"max_tokens ({max_tokens}) is more than the context leaves after the prompt "
                           f"({room})", "max_tokens", "context_length_exceeded")
     _check_token_ids(req.stop_token_ids or [], model, "stop_token_ids")
+    if any(not word.strip() for word in req.bad_words or ()):
+        raise bad_request("bad_words must be non-blank strings", "bad_words")
     temperature = 1.0 if req.temperature is None else req.temperature
     try:
         return SamplingParams(
@@ -170,7 +171,7 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
             ignore_eos=bool(req.ignore_eos), n=req.n or 1, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=req.repetition_penalty or 1.0, logit_bias=_logit_bias(req.logit_bias, model),
-            allowed_token_ids=_allowed_token_ids(req.allowed_token_ids, model),
+            allowed_token_ids=_allowed_token_ids(req.allowed_token_ids, model), bad_words=tuple(req.bad_words or ()),
             speculative=req.speculative is not False,
             output_kind="delta" if req.stream else "final")  # a full response is read once, at the end
     except ValueError as err:  # e.g. min_tokens > max_tokens

@@ -52,6 +52,7 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(0, ge=0, lt=_INT64)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be output
+    bad_words: list[str] | None = None  # vLLM's: words the output may not complete
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's logprob + top k
     speculative: bool | None = True  # Medusa tree verification; False: plain one-token steps
     # vLLM's fields that change the output and that this server does not implement: read so that a request
@@ -62,7 +63,6 @@ class _SamplingRequest(_Strict):
     guided_grammar: Any = None
     structured_outputs: Any = None
     use_beam_search: Any = None
-    bad_words: Any = None
     logits_processors: Any = None
     prompt_embeds: Any = None
 

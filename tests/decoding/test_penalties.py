@@ -1,5 +1,9 @@
-"""logit_bias, allowed_token_ids, repetition_penalty, presence_penalty and frequency_penalty on the engine: applied
-along each tree node's own path, so Medusa with them equals plain decoding with them (greedy and seeded sampling)."""
+"""logit_bias, allowed_token_ids, bad_words, repetition_penalty, presence_penalty and frequency_penalty on the
+engine: applied along each tree node's own path, so Medusa with them equals plain decoding with them (greedy and
+seeded sampling)."""
+
+import itertools
+from collections import Counter
 
 import pytest
 import torch
@@ -35,7 +39,7 @@ def prompts(n, seed=0):
 
 
 def penalized(logits, prompt, output, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-              logit_bias=None, allowed_token_ids=None):
+              logit_bias=None, allowed_token_ids=None, bad_word_ids=()):
     """vLLM's rules, written independently of the engine: the bias and the allowed tokens, then the repetition
     penalty over the prompt and the output, then OpenAI's presence / frequency penalties over the output only."""
     logits = logits.float().clone()
@@ -45,6 +49,9 @@ def penalized(logits, prompt, output, presence_penalty=0.0, frequency_penalty=0.
         for token in range(logits.shape[-1]):
             if token not in allowed_token_ids:
                 logits[token] = float("-inf")
+    for word in bad_word_ids:  # its last token may not complete it
+        if len(output) >= len(word) - 1 and tuple(output[len(output) - len(word) + 1:]) == tuple(word[:-1]):
+            logits[word[-1]] = float("-inf")
     counts = torch.zeros(logits.shape[-1])
     for token in output:
         counts[token] += 1
@@ -138,6 +145,48 @@ def test_seeded_sampling_with_allowed_tokens_draws_only_them_as_plain_decoding_d
     assert all(set(o.token_ids) <= set(allowed) for o in medusa) and sum(o.stats.accepted_tokens for o in medusa)
 
 
+def words_as(monkeypatch, spelled):
+    """The tiny model has no tokenizer: bad words are spelled by `spelled` {word: token sequences} instead."""
+    import medusa.decoding.engine as engine_module
+    monkeypatch.setattr(engine_module, "bad_word_ids",
+                        lambda tokenizer, words: tuple(ids for w in words for ids in spelled[w]))
+
+
+def test_bad_words_are_never_completed_and_medusa_writes_what_plain_decoding_does(tiny, monkeypatch):
+    """The free greedy texts' commonest pairs of tokens, and one token, are banned as words: each tree node's ban
+    comes from its own path, so Medusa greedy equals a full-recompute reference, and seeded sampling plain
+    decoding."""
+    model, heads = tiny
+    ps = prompts(6, seed=4)
+    pairs = Counter(pair for p in ps for pair in itertools.pairwise(reference_greedy(model, p, 16)))
+    spelled = {"pairs": [pair for pair, _ in pairs.most_common(5)], "one": [(pairs.most_common(6)[-1][0][0],)]}
+    words_as(monkeypatch, spelled)
+    banned = spelled["pairs"] + spelled["one"]
+    outs = engine(model, heads).generate(ps, SamplingParams(max_tokens=16, bad_words=("pairs", "one")))
+    for p, out in zip(ps, outs):
+        want = reference_greedy(model, p, 16, bad_word_ids=banned)
+        assert out.token_ids == want, p
+        assert all(tuple(want[i:i + len(word)]) != word for word in banned for i in range(len(want)))
+    assert sum(o.stats.accepted_tokens for o in outs) > 0
+    sampled = SamplingParams(max_tokens=24, temperature=0.7, seed=5, bad_words=("pairs", "one"))
+    medusa = engine(model, heads).generate(prompts(3, seed=6), sampled)
+    plain = engine(model, None).generate(prompts(3, seed=6), sampled)
+    assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
+
+
+def test_bad_words_spell_each_word_alone_and_after_a_space(default_model_dir):
+    from transformers import AutoTokenizer
+
+    from medusa.decoding.engine_request import bad_word_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    ids = bad_word_ids(tokenizer, ("hello world",))
+    assert set(ids) == {tuple(tokenizer.encode("hello world", add_special_tokens=False)),
+                        tuple(tokenizer.encode(" hello world", add_special_tokens=False))}
+    with pytest.raises(ValueError, match="bad_words needs the engine's tokenizer"):
+        bad_word_ids(None, ("x",))
+
+
 @pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
 @pytest.mark.parametrize("value", [2.01, -3, float("nan"), "1"])
 def test_penalty_validation_names_the_field(name, value):
@@ -165,6 +214,8 @@ def test_penalties_change_the_greedy_output():
     (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),
     (dict(allowed_token_ids=[1, -2]), "allowed_token_ids must be"), (dict(allowed_token_ids="12"), "allowed_token_ids"),
     (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
+    (dict(bad_words="word"), "bad_words must be a list of non-blank strings"), (dict(bad_words=[" "]), "bad_words"),
+    (dict(bad_words=[3]), "bad_words"),
 ])
 def test_bias_and_repetition_validation_names_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -311,6 +311,20 @@ def test_allowed_token_ids_limit_what_is_written(client, tiny_model):
         assert len(tokens) == 8 and set(tokens) <= {tiny_model.tokenizer.decode([t]) for t in allowed}
 
 
+def test_bad_words_change_the_answer_that_wrote_them(client, tiny_model):
+    auth = {"Authorization": "Bearer secret"}
+    body = {"prompt": "Once upon", "max_tokens": 12, "temperature": 0}
+    free = client.post("/v1/completions", json=body, headers=auth).json()["choices"][0]["text"]
+    word = max(free.split(), key=len)
+    said = {}
+    for speculative in (True, False):
+        resp = client.post("/v1/completions", json={**body, "bad_words": [word], "speculative": speculative},
+                           headers=auth)
+        assert resp.status_code == 200, resp.text
+        said[speculative] = resp.json()["choices"][0]["text"]
+    assert said[True] == said[False] != free
+
+
 def test_unserved_vllm_fields_at_their_defaults_are_accepted(client):
     """Clients built for vLLM send its fields at their defaults: those are served; set, they are refused
     (test_errors.BAD)."""
