@@ -47,8 +47,8 @@ from medusa.decoding.detokenizer import prepare as prepare_text
 from medusa.decoding.decode_step import RowSampling
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.engine_config import EngineConfig
-from medusa.decoding.engine_request import (EngineRequest, bad_word_ids, cannot_stop, checked_params, make_detokenizer,
-                                            prompt_token_ids, until_stop_string)
+from medusa.decoding.engine_request import (EngineRequest, cannot_stop, checked_params, make_detokenizer,
+                                            prompt_token_ids, token_rules, until_stop_string)
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, to_device
 from medusa.decoding.logits_processing import penalize, suppress_eos, token_logprobs
 from medusa.decoding.model_runner import ModelRunner
@@ -186,7 +186,7 @@ class LLMEngine:
         if rid in self.requests or f"{rid}#0" in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         stop_ids = frozenset() if params.ignore_eos else frozenset(self.eos | set(params.stop_token_ids))
-        banned_words = bad_word_ids(self.tokenizer, params.bad_words)
+        rules = token_rules(self.tokenizer, params, self.eos)
         for index in range(params.n):
             # unseeded: a random seed, so that each output position's noise is fixed before its draw and the
             # heads can propose under it (`DecodeStep._coupled_proposals`); draws stay independent
@@ -196,7 +196,7 @@ class LLMEngine:
             # prompt logprobs need every prompt position's hidden state: none may come from the prefix cache
             seq = Sequence(sub, ids, reads_prefix_cache=params.prompt_logprobs is None)
             request = EngineRequest(seq, params, TokenSampler(seed), detok, parent_id=rid, index=index,
-                                    stop_ids=stop_ids, quiet=quiet, bad_words=banned_words)
+                                    stop_ids=stop_ids, quiet=quiet, rules=rules)
             self.requests[sub] = request
             self.scheduler.add(request.seq)
         return rid
@@ -705,7 +705,7 @@ class LLMEngine:
     def _penalize(self, request: EngineRequest, logits: torch.Tensor, tree: DeviceTree | None = None,
                   candidates: torch.Tensor | None = None) -> torch.Tensor:
         return penalize(request.params, request.seq.output_token_ids, logits, tree, candidates,
-                        request.seq.prompt_token_ids, request.bad_words)
+                        request.seq.prompt_token_ids, request.rules)
 
     def _note_logprobs(self, request: EngineRequest, logits: torch.Tensor, tokens: list[int]) -> None:
         """logits [n, V]: row i is the distribution tokens[i] was drawn from."""

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
+from medusa.decoding.logits_processing import TokenRules
 from medusa.decoding.outputs import RequestStats, TokenLogprob
 from medusa.decoding.sampler import SamplingConfig, TokenSampler
 from medusa.decoding.sampling_params import SamplingParams
@@ -32,7 +33,7 @@ class EngineRequest:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     stats: RequestStats = field(default_factory=RequestStats)
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (past min_tokens): EOS and stop_token_ids
-    bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (`bad_word_ids`)
+    rules: TokenRules = TokenRules()  # bad words and guided choices as token sequences (`token_rules`)
     stop_reason: int | str | None = None  # vLLM's: the stop_token_ids token or stop string that ended it (not EOS)
     sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
     quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
@@ -59,13 +60,21 @@ def make_detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetok
     return IncrementalDetokenizer(tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
 
 
-def bad_word_ids(tokenizer: Any, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-    """Each word's token sequences as the tokenizer writes it alone and after a space (vLLM's two spellings)."""
-    if words and tokenizer is None:
-        raise ValueError("bad_words needs the engine's tokenizer (this engine was made without one)")
-    spelled = {tuple(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
-               for word in words for prefix in ("", " ")}
-    return tuple(sorted(ids for ids in spelled if ids))
+def token_rules(tokenizer: Any, params: SamplingParams, eos: set[int]) -> TokenRules:
+    """params' bad words and guided choices as token sequences: a bad word as the tokenizer writes it alone and
+    after a space (vLLM's two spellings), a choice as it writes it; a choice then ends with one of `eos`."""
+    if not (params.bad_words or params.guided_choice):
+        return TokenRules()
+    if tokenizer is None:
+        raise ValueError("bad_words and guided_choice need the engine's tokenizer (this engine was made without one)")
+    if params.guided_choice and not eos:
+        raise ValueError("guided_choice needs an end-of-sequence token to end the output after the choice")
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    words = {encode(prefix + word.lstrip()) for word in params.bad_words for prefix in ("", " ")}
+    choices = {encode(choice) for choice in params.guided_choice}
+    return TokenRules(tuple(sorted(w for w in words if w)), tuple(sorted(c for c in choices if c)), tuple(sorted(eos)))
 
 
 def until_stop_string(request: EngineRequest, tokens: list[int]) -> tuple[list[int], bool]:

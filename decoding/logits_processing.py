@@ -7,6 +7,7 @@ are always reported from the raw logits, before these changes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -31,11 +32,26 @@ def suppress_eos(params: SamplingParams, produced: int, banned: Sequence[int], l
     return logits
 
 
+@dataclass(frozen=True)
+class TokenRules:
+    """A request's rules over token sequences, from its params through the tokenizer (`engine_request.token_rules`):
+    bad words, each a token sequence whose last token may not complete it; guided choices, the token sequences
+    the output must be one of, then one of `ends` (EOS)."""
+
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    choices: tuple[tuple[int, ...], ...] = ()
+    ends: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.bad_words or self.choices)
+
+
 def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Tensor,
              tree: DeviceTree | None = None, candidates: torch.Tensor | None = None,
-             prompt_ids: Sequence[int] = (), bad_words: Sequence[tuple[int, ...]] = ()) -> torch.Tensor:
-    """logit_bias, allowed_token_ids and bad words (token sequences), then the repetition penalty and OpenAI's
-    presence / frequency penalties, at every tree node, each from its own text (vLLM's order and semantics).
+             prompt_ids: Sequence[int] = (), rules: TokenRules = TokenRules()) -> torch.Tensor:
+    """logit_bias, allowed_token_ids and the token-sequence rules (bad words, guided choices), then the repetition
+    penalty and OpenAI's presence / frequency penalties, at every tree node, each from its own text (vLLM's order
+    and semantics).
 
     logits [N, V] at the nodes of `tree` (candidates [N], root first), or [1, V]
     at the last token with no tree. Row i predicts the token after node i, so
@@ -59,8 +75,14 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
     if params.allowed_token_ids is not None:
         allowed = torch.tensor(params.allowed_token_ids, device=device)
         logits = torch.full_like(logits, float("-inf")).index_copy_(1, allowed, logits[:, allowed])
-    if bad_words:
-        _ban_bad_words(logits, bad_words, output_ids, tree, candidates)
+    if rules:
+        # the output's tail is enough: a word is matched at the text's end, and an output longer than every
+        # choice (a tail one longer than the longest) can be none of them
+        keep = max([len(word) for word in rules.bad_words] + [len(choice) + 1 for choice in rules.choices])
+        texts = _node_texts(output_ids[-keep:], tree, candidates, num_nodes)
+        _ban_bad_words(logits, rules.bad_words, texts)
+        if rules.choices:
+            logits = _follow_choices(logits, rules, texts)
     output = torch.tensor(list(output_ids), dtype=torch.long, device=device)
     counts = torch.bincount(output, minlength=vocab).float()[None].repeat(num_nodes, 1)  # [N, V]
     if tree is not None and num_nodes > 1:
@@ -75,25 +97,39 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
     return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
 
 
-def _ban_bad_words(logits: torch.Tensor, words: Sequence[tuple[int, ...]], output_ids: Sequence[int],
-                   tree: DeviceTree | None, candidates: torch.Tensor | None) -> None:
-    """In place: at each node, the last token of every word whose other tokens end the node's text (the output,
-    then its path below the root) is banned. A host loop over nodes and words: bad_words is rare and small."""
-    num_nodes = logits.shape[0]
-    paths = [[] for _ in range(num_nodes)]
-    if tree is not None and num_nodes > 1:
-        mask, tokens, depths = tree.mask.tolist(), candidates.tolist(), tree.depths.tolist()
-        for i in range(num_nodes):
-            below_root = sorted((j for j in range(1, num_nodes) if mask[i][j]), key=depths.__getitem__)
-            paths[i] = [tokens[j] for j in below_root]
-    longest = max(len(word) for word in words)
-    tail = list(output_ids[-longest:])
-    for i, path in enumerate(paths):
-        text = (tail + path)[-longest:]
+def _node_texts(output_ids: Sequence[int], tree: DeviceTree | None, candidates: torch.Tensor | None,
+                num_nodes: int) -> list[list[int]]:
+    """Each node's text: the output (ending with the root; or its tail), then the node's path below the root,
+    node included.
+    A host loop over nodes: only requests with token-sequence rules (rare, small) come here."""
+    output = list(output_ids)
+    if tree is None or num_nodes == 1:
+        return [output]
+    mask, tokens, depths = tree.mask.tolist(), candidates.tolist(), tree.depths.tolist()
+    return [output + [tokens[j] for j in sorted((j for j in range(1, num_nodes) if mask[i][j]),
+                                                key=depths.__getitem__)] for i in range(num_nodes)]
+
+
+def _ban_bad_words(logits: torch.Tensor, words: Sequence[tuple[int, ...]], texts: list[list[int]]) -> None:
+    """In place: at each node, the last token of every word whose other tokens end the node's text is banned."""
+    for i, text in enumerate(texts):
         for word in words:
             before = len(word) - 1
             if before == 0 or (len(text) >= before and text[len(text) - before:] == list(word[:-1])):
                 logits[i, word[-1]] = float("-inf")
+
+
+def _follow_choices(logits: torch.Tensor, rules: TokenRules, texts: list[list[int]]) -> torch.Tensor:
+    """Each node may write only a next token of a choice its text is a prefix of, or an end token where its text
+    is a whole choice (or has left every choice: a text the rules kept from the start never does)."""
+    allowed = torch.zeros_like(logits, dtype=torch.bool)
+    for i, text in enumerate(texts):
+        n = len(text)
+        nexts = {choice[n] for choice in rules.choices if len(choice) > n and list(choice[:n]) == text}
+        if not nexts or any(list(choice) == text for choice in rules.choices):
+            nexts.update(rules.ends)
+        allowed[i, sorted(nexts)] = True
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:

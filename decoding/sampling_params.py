@@ -42,6 +42,8 @@ class SamplingParams:
     # space) may not be completed: its last token is banned wherever the output (and a tree node's path) ends with
     # the rest; a one-token word is banned outright
     bad_words: tuple[str, ...] = ()
+    # vLLM's guided_choice: the output is one of these strings (as the tokenizer writes each), then EOS
+    guided_choice: tuple[str, ...] = ()
     speculative: bool = True  # False: plain decoding, which only an engine without heads runs (it checks)
     # "delta": every output carries the text its new tokens add (streaming: the text is decoded every
     # step). "final": text only in the finished output, decoded once at the end; earlier outputs carry
@@ -100,6 +102,12 @@ class SamplingParams:
         if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if isinstance(self.guided_choice, str) or any(not isinstance(c, str) or not c for c in self.guided_choice):
+            raise ValueError(f"guided_choice must be a list of non-empty strings, got {self.guided_choice!r}")
+        object.__setattr__(self, "guided_choice", tuple(self.guided_choice))
+        if self.guided_choice and (self.ignore_eos or self.min_tokens):
+            raise ValueError("guided_choice ends the output with EOS once a choice is written: it cannot be "
+                             "combined with ignore_eos or min_tokens")
         if self.output_kind not in ("delta", "final"):
             raise ValueError(f"output_kind must be 'delta' or 'final', got {self.output_kind!r}")
         for name in ("temperature", "top_p", "min_p"):
@@ -112,7 +120,8 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Whether any logit change (bias, allowed tokens or penalty) applies: the host then gives every verdict."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words))
+                or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+                or bool(self.guided_choice))
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

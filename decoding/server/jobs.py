@@ -3,9 +3,9 @@
 All the semantic checks live here (context length, vocabulary, options the
 engine cannot honour), so the engine only ever sees requests it can run.
 
-logit_bias, repetition_penalty, presence_penalty and frequency_penalty go to the
-engine, which applies them along every tree node's own path, so they stay
-lossless with Medusa. Tools, structured output, `suffix` and vLLM's fields that
+logit_bias, allowed_token_ids, bad_words, guided_choice, repetition_penalty,
+presence_penalty and frequency_penalty go to the engine, which applies them along
+every tree node's own path, so they stay lossless with Medusa. Tools, structured output, `suffix` and vLLM's fields that
 change the output but are not implemented (`UNSERVED`) are refused with a 400
 rather than silently ignored.
 """
@@ -31,8 +31,8 @@ ENGINE_CONTEXT_MARGIN = 8
 # Below this a temperature only amplifies float error: treat it as greedy (vLLM does the same).
 GREEDY_BELOW = 1e-5
 # vLLM's request fields this server does not implement, each refused when set (not null, false or empty)
-UNSERVED = {**dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
-                            "structured output is not implemented"),
+UNSERVED = {**dict.fromkeys(("guided_json", "guided_regex", "guided_grammar"),
+                            "structured output other than a choice (guided_choice) is not implemented"),
             "use_beam_search": "beam search is not implemented",
             "logits_processors": "custom logits processors are not served",
             "prompt_embeds": "prompts are served as text or token ids only"}
@@ -172,6 +172,7 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=req.repetition_penalty or 1.0, logit_bias=_logit_bias(req.logit_bias, model),
             allowed_token_ids=_allowed_token_ids(req.allowed_token_ids, model), bad_words=tuple(req.bad_words or ()),
+            guided_choice=_guided_choice(req),
             speculative=req.speculative is not False,
             output_kind="delta" if req.stream else "final")  # a full response is read once, at the end
     except ValueError as err:  # e.g. min_tokens > max_tokens
@@ -197,6 +198,24 @@ def _logit_bias(bias: dict[str, float] | None, model: Any) -> dict[int, float]:
         raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
     _check_token_ids(list(ids), model, "logit_bias")
     return {token: min(max(value, -100.0), 100.0) for token, value in ids.items()}
+
+
+def _guided_choice(req: _SamplingRequest) -> tuple[str, ...]:
+    """vLLM's guided_choice, or structured_outputs={"choice": [...]} (its newer spelling): the strings the output
+    must be one of."""
+    choice, param = req.guided_choice, "guided_choice"
+    if req.structured_outputs:
+        if not isinstance(req.structured_outputs, dict) or set(req.structured_outputs) != {"choice"}:
+            raise unsupported("structured_outputs", "only {\"choice\": [...]} is implemented")
+        choice, param = req.structured_outputs["choice"], "structured_outputs"
+    if choice is None:
+        return ()
+    if not isinstance(choice, list) or not choice or any(not isinstance(c, str) or not c for c in choice):
+        raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
+    if req.ignore_eos or req.min_tokens:
+        raise bad_request(f"{param} cannot be combined with ignore_eos or min_tokens (the choice ends the output)",
+                          param)
+    return tuple(choice)
 
 
 def _allowed_token_ids(allowed: list[int] | None, model: Any) -> tuple[int, ...] | None:

@@ -53,13 +53,13 @@ class _SamplingRequest(_Strict):
     min_tokens: int | None = Field(0, ge=0, lt=_INT64)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be output
     bad_words: list[str] | None = None  # vLLM's: words the output may not complete
+    guided_choice: Any = None  # vLLM's: the output is one of these strings (checked in jobs, as structured_outputs)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's logprob + top k
     speculative: bool | None = True  # Medusa tree verification; False: plain one-token steps
     # vLLM's fields that change the output and that this server does not implement: read so that a request
     # setting one is refused (jobs.UNSERVED) rather than answered as if it had not
     guided_json: Any = None
     guided_regex: Any = None
-    guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
     use_beam_search: Any = None

@@ -3,6 +3,7 @@ engine: applied along each tree node's own path, so Medusa with them equals plai
 seeded sampling)."""
 
 import itertools
+from dataclasses import replace
 from collections import Counter
 
 import pytest
@@ -145,11 +146,16 @@ def test_seeded_sampling_with_allowed_tokens_draws_only_them_as_plain_decoding_d
     assert all(set(o.token_ids) <= set(allowed) for o in medusa) and sum(o.stats.accepted_tokens for o in medusa)
 
 
-def words_as(monkeypatch, spelled):
-    """The tiny model has no tokenizer: bad words are spelled by `spelled` {word: token sequences} instead."""
+def words_as(monkeypatch, spelled, ends=()):
+    """The tiny model has no tokenizer: bad words and choices are spelled by `spelled` {word: token sequences}."""
     import medusa.decoding.engine as engine_module
-    monkeypatch.setattr(engine_module, "bad_word_ids",
-                        lambda tokenizer, words: tuple(ids for w in words for ids in spelled[w]))
+    from medusa.decoding.logits_processing import TokenRules
+
+    def rules(tokenizer, params, eos):
+        return TokenRules(tuple(ids for w in params.bad_words for ids in spelled[w]),
+                          tuple(ids for c in params.guided_choice for ids in spelled[c]), tuple(ends))
+
+    monkeypatch.setattr(engine_module, "token_rules", rules)
 
 
 def test_bad_words_are_never_completed_and_medusa_writes_what_plain_decoding_does(tiny, monkeypatch):
@@ -174,17 +180,65 @@ def test_bad_words_are_never_completed_and_medusa_writes_what_plain_decoding_doe
     assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
 
 
-def test_bad_words_spell_each_word_alone_and_after_a_space(default_model_dir):
+@torch.no_grad()
+def reference_choice(model, prompt, choices, end):
+    """Greedy among the choices, full recompute each step: the best allowed next token until a choice is whole
+    and `end` beats its continuations (or none is left)."""
+    output = []
+    while True:
+        ids = torch.tensor(prompt + output)
+        logits = model.compute_logits(model(ids, torch.arange(len(ids)), CausalAttention()))[-1]
+        nexts = {c[len(output)] for c in choices if len(c) > len(output) and list(c[:len(output)]) == output}
+        if not nexts or tuple(output) in choices:
+            nexts.add(end)
+        token = max(nexts, key=lambda t: logits[t].item())
+        if token == end:
+            return output
+        output.append(token)
+
+
+def test_guided_choice_writes_one_choice_then_ends_as_plain_decoding_does(tiny, monkeypatch):
+    """Choices sharing prefixes (and one a prefix of another): every node may write only a next token of a choice
+    its path is a prefix of, or the end once its path is a whole choice."""
+    model, heads = tiny
+    end = 11
+    spelled = {"a": [(3, 5, 7, 2)], "b": [(3, 5)], "c": [(4, 9, 9, 1, 6)], "d": [(8,)], "e": [(6, 6, 6, 6, 6, 6)]}
+    words_as(monkeypatch, spelled, ends=(end,))
+    choices = {ids for spellings in spelled.values() for ids in spellings}
+    ps = prompts(8, seed=9)
+    params = SamplingParams(max_tokens=12, guided_choice=tuple(spelled), stop_token_ids=(end,))
+    outs = engine(model, heads).generate(ps, params)
+    for p, out in zip(ps, outs):
+        assert tuple(out.token_ids) in choices and out.finish_reason == "stop"
+        assert out.token_ids == reference_choice(model, p, choices, end), p
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # the model's own preference picked among them
+    sampled = replace(params, temperature=1.0, seed=3)
+    medusa = engine(model, heads).generate(ps, sampled)
+    plain = engine(model, None).generate(ps, sampled)
+    assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
+    assert all(tuple(o.token_ids) in choices for o in medusa)
+
+
+@pytest.mark.parametrize("kwargs", [dict(ignore_eos=True), dict(min_tokens=2)])
+def test_guided_choice_refuses_what_would_keep_it_from_ending(kwargs):
+    with pytest.raises(ValueError, match="cannot be combined with ignore_eos or min_tokens"):
+        SamplingParams(guided_choice=("yes", "no"), **kwargs)
+
+
+def test_token_rules_spell_bad_words_alone_and_after_a_space_and_choices_as_written(default_model_dir):
     from transformers import AutoTokenizer
 
-    from medusa.decoding.engine_request import bad_word_ids
+    from medusa.decoding.engine_request import token_rules
 
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
-    ids = bad_word_ids(tokenizer, ("hello world",))
-    assert set(ids) == {tuple(tokenizer.encode("hello world", add_special_tokens=False)),
-                        tuple(tokenizer.encode(" hello world", add_special_tokens=False))}
-    with pytest.raises(ValueError, match="bad_words needs the engine's tokenizer"):
-        bad_word_ids(None, ("x",))
+    rules = token_rules(tokenizer, SamplingParams(bad_words=("hello world",), guided_choice=("yes", "no")), {2})
+    encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    assert set(rules.bad_words) == {encode("hello world"), encode(" hello world")}
+    assert set(rules.choices) == {encode("yes"), encode("no")} and rules.ends == (2,)
+    with pytest.raises(ValueError, match="need the engine's tokenizer"):
+        token_rules(None, SamplingParams(bad_words=("x",)), {2})
+    with pytest.raises(ValueError, match="guided_choice needs an end-of-sequence token"):
+        token_rules(tokenizer, SamplingParams(guided_choice=("x",)), set())
 
 
 @pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])

@@ -93,9 +93,13 @@ BAD = [
     (COMP, comp(model="nope"), 404, "model"),
     # vLLM's fields that would change the answer and are not implemented: refused, never ignored
     (CHAT, chat(guided_json={"type": "object"}), 400, "guided_json"),
-    (CHAT, chat(guided_choice=["yes", "no"]), 400, "guided_choice"),
+    (CHAT, chat(guided_choice=[]), 400, "guided_choice"),
+    (CHAT, chat(guided_choice=["yes", ""]), 400, "guided_choice"),
+    (CHAT, chat(guided_choice="yes"), 400, "guided_choice"),
+    (CHAT, chat(guided_choice=["yes", "no"], ignore_eos=True), 400, "guided_choice"),
+    (COMP, comp(structured_outputs={"choice": [1]}), 400, "structured_outputs"),
+    (COMP, comp(structured_outputs={"json": {}}), 400, "structured_outputs"),
     (COMP, comp(guided_regex="[0-9]+"), 400, "guided_regex"),
-    (COMP, comp(structured_outputs={"choice": ["a"]}), 400, "structured_outputs"),
     (CHAT, chat(use_beam_search=True), 400, "use_beam_search"),
     (COMP, comp(bad_words=["the", " "]), 400, "bad_words"),
     (COMP, comp(bad_words="the"), 400, "bad_words"),
@@ -204,7 +208,8 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "stop", "seed", "stream", "stream_options", "presence_penalty", "frequency_penalty", "logprobs",
           "top_logprobs", "ignore_eos", "min_tokens", "speculative", "echo", "stop_token_ids", "logit_bias",
           "repetition_penalty", "min_p", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
-          "add_generation_prompt", "continue_final_message", "prompt_logprobs", "allowed_token_ids", "bad_words"]
+          "add_generation_prompt", "continue_final_message", "prompt_logprobs", "allowed_token_ids", "bad_words",
+          "guided_choice", "structured_outputs"]
 # Plausible values mixed in, so the fuzz also reaches past the first validation error.
 plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3], ["a", "b"]]),
              "max_tokens": st.integers(-2, 6), "n": st.integers(0, 3), "temperature": st.floats(-1, 3),

@@ -325,6 +325,26 @@ def test_bad_words_change_the_answer_that_wrote_them(client, tiny_model):
     assert said[True] == said[False] != free
 
 
+def test_guided_choice_answers_with_one_of_the_choices(client):
+    """vLLM's guided_choice (and structured_outputs={"choice": ...}): the answer is one of the strings, then ends;
+    Medusa trees and plain steps give the same one."""
+    auth = {"Authorization": "Bearer secret"}
+    choices = ["red", "green", "dark blue", "dark red"]
+    said = set()
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        for speculative in (True, False):
+            body = {"messages": MSG, "max_tokens": 10, "temperature": 0, "speculative": speculative, **extra}
+            resp = client.post("/v1/chat/completions", json=body, headers=auth)
+            assert resp.status_code == 200, resp.text
+            choice = resp.json()["choices"][0]
+            assert choice["message"]["content"] in choices and choice["finish_reason"] == "stop"
+            said.add(choice["message"]["content"])
+        completion = client.post("/v1/completions", json={"prompt": "My favourite colour is", "max_tokens": 10,
+                                                          "temperature": 0.9, "seed": 1, **extra}, headers=auth)
+        assert completion.json()["choices"][0]["text"] in choices
+    assert len(said) == 1
+
+
 def test_unserved_vllm_fields_at_their_defaults_are_accepted(client):
     """Clients built for vLLM send its fields at their defaults: those are served; set, they are refused
     (test_errors.BAD)."""
