@@ -69,6 +69,7 @@ def token_rules(tokenizer: Any, params: SamplingParams, eos: set[int]) -> TokenR
         raise ValueError("bad_words and guided_choice need the engine's tokenizer (this engine was made without one)")
     if params.guided_choice and not eos:
         raise ValueError("guided_choice needs an end-of-sequence token to end the output after the choice")
+
     def encode(text: str) -> tuple[int, ...]:
         return tuple(tokenizer.encode(text, add_special_tokens=False))
 

@@ -100,8 +100,7 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
 def _node_texts(output_ids: Sequence[int], tree: DeviceTree | None, candidates: torch.Tensor | None,
                 num_nodes: int) -> list[list[int]]:
     """Each node's text: the output (ending with the root; or its tail), then the node's path below the root,
-    node included.
-    A host loop over nodes: only requests with token-sequence rules (rare, small) come here."""
+    node included. A host loop over nodes: only requests with token-sequence rules (rare, small) come here."""
     output = list(output_ids)
     if tree is None or num_nodes == 1:
         return [output]

@@ -93,21 +93,7 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a number > 0 (1 is off), got {rep!r}")
         object.__setattr__(self, "repetition_penalty", float(rep))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
-        if self.allowed_token_ids is not None:
-            allowed = list(self.allowed_token_ids) if not isinstance(self.allowed_token_ids, (str, bytes)) else [None]
-            if not allowed or any(not _is_int(t) or t < 0 for t in allowed):
-                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
-                                 f"got {self.allowed_token_ids!r}")
-            object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in allowed})))
-        if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
-            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
-        object.__setattr__(self, "bad_words", tuple(self.bad_words))
-        if isinstance(self.guided_choice, str) or any(not isinstance(c, str) or not c for c in self.guided_choice):
-            raise ValueError(f"guided_choice must be a list of non-empty strings, got {self.guided_choice!r}")
-        object.__setattr__(self, "guided_choice", tuple(self.guided_choice))
-        if self.guided_choice and (self.ignore_eos or self.min_tokens):
-            raise ValueError("guided_choice ends the output with EOS once a choice is written: it cannot be "
-                             "combined with ignore_eos or min_tokens")
+        self._check_token_limits()
         if self.output_kind not in ("delta", "final"):
             raise ValueError(f"output_kind must be 'delta' or 'final', got {self.output_kind!r}")
         for name in ("temperature", "top_p", "min_p"):
@@ -116,9 +102,29 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number, got {value!r}")
         self.sampling()  # validates temperature, top_p, top_k
 
+    def _check_token_limits(self) -> None:
+        """allowed_token_ids, bad_words and guided_choice: checked, kept as sorted / plain tuples."""
+        if self.allowed_token_ids is not None:
+            allowed = [None] if isinstance(self.allowed_token_ids, (str, bytes)) else list(self.allowed_token_ids)
+            if not allowed or any(not _is_int(t) or t < 0 for t in allowed):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
+                                 f"got {self.allowed_token_ids!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in allowed})))
+        for name, blank_ok in (("bad_words", False), ("guided_choice", True)):
+            texts = getattr(self, name)
+            if isinstance(texts, str) or any(not isinstance(t, str) or not (t if blank_ok else t.strip())
+                                             for t in texts):
+                raise ValueError(f"{name} must be a list of non-{'empty' if blank_ok else 'blank'} strings, "
+                                 f"got {texts!r}")
+            object.__setattr__(self, name, tuple(texts))
+        if self.guided_choice and (self.ignore_eos or self.min_tokens):
+            raise ValueError("guided_choice ends the output with EOS once a choice is written: it cannot be "
+                             "combined with ignore_eos or min_tokens")
+
     @property
     def has_penalties(self) -> bool:
-        """Whether any logit change (bias, allowed tokens or penalty) applies: the host then gives every verdict."""
+        """Whether any logit change (bias, allowed tokens, bad words, choices or penalty) applies: the host then
+        gives every verdict."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
                 or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
                 or bool(self.guided_choice))

@@ -269,7 +269,8 @@ def test_penalties_change_the_greedy_output():
     (dict(allowed_token_ids=[1, -2]), "allowed_token_ids must be"), (dict(allowed_token_ids="12"), "allowed_token_ids"),
     (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
     (dict(bad_words="word"), "bad_words must be a list of non-blank strings"), (dict(bad_words=[" "]), "bad_words"),
-    (dict(bad_words=[3]), "bad_words"),
+    (dict(bad_words=[3]), "bad_words"), (dict(guided_choice=["a", ""]), "guided_choice must be a list of non-empty"),
+    (dict(guided_choice="ab"), "guided_choice"),
 ])
 def test_bias_and_repetition_validation_names_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
