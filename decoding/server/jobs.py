@@ -5,9 +5,10 @@ engine cannot honour), so the engine only ever sees requests it can run.
 
 logit_bias, allowed_token_ids, bad_words, guided_choice, repetition_penalty,
 presence_penalty and frequency_penalty go to the engine, which applies them along
-every tree node's own path, so they stay lossless with Medusa. Tools, structured output, `suffix` and vLLM's fields that
-change the output but are not implemented (`UNSERVED`) are refused with a 400
-rather than silently ignored.
+every tree node's own path, so they stay lossless with Medusa. Tools, structured
+output other than a choice, `suffix` and vLLM's other fields that change the
+output but are not implemented (`UNSERVED`) are refused with a 400 rather than
+silently ignored.
 """
 
 from __future__ import annotations
