@@ -74,8 +74,14 @@ def token_rules(tokenizer: Any, params: SamplingParams, eos: set[int]) -> TokenR
         return tuple(tokenizer.encode(text, add_special_tokens=False))
 
     words = {encode(prefix + word.lstrip()) for word in params.bad_words for prefix in ("", " ")}
-    choices = {encode(choice) for choice in params.guided_choice}
-    return TokenRules(tuple(sorted(w for w in words if w)), tuple(sorted(c for c in choices if c)), tuple(sorted(eos)))
+    choices, ends = {encode(choice) for choice in params.guided_choice} - {()}, set(eos)
+    if params.allowed_token_ids is not None:  # a choice allowed_token_ids cuts short would leave no token to write
+        allowed = set(params.allowed_token_ids)
+        choices, ends = {c for c in choices if allowed.issuperset(c)}, ends & allowed
+        if params.guided_choice and not (choices and ends):
+            raise ValueError("allowed_token_ids leaves no guided_choice that can be written and ended (every choice "
+                             "has a token it does not allow, or it allows no end-of-sequence token)")
+    return TokenRules(tuple(sorted(w for w in words if w)), tuple(sorted(choices)), tuple(sorted(ends)))
 
 
 def until_stop_string(request: EngineRequest, tokens: list[int]) -> tuple[list[int], bool]:

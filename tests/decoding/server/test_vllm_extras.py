@@ -343,6 +343,9 @@ def test_guided_choice_answers_with_one_of_the_choices(client):
                                                           "temperature": 0.9, "seed": 1, **extra}, headers=auth)
         assert completion.json()["choices"][0]["text"] in choices
     assert len(said) == 1
+    refused = client.post("/v1/chat/completions", json={"messages": MSG, "guided_choice": choices,
+                                                         "allowed_token_ids": [5]}, headers=auth)
+    assert refused.status_code == 400 and "allowed_token_ids leaves no guided_choice" in refused.text
 
 
 def test_unserved_vllm_fields_at_their_defaults_are_accepted(client):
