@@ -83,6 +83,8 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
         _ban_bad_words(logits, rules.bad_words, texts)
         if rules.choices:
             logits = _follow_choices(logits, rules, texts)
+    if params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1:
+        return logits  # no count-based penalty: skip the [N, V] counts
     output = torch.tensor(list(output_ids), dtype=torch.long, device=device)
     counts = torch.bincount(output, minlength=vocab).float()[None].repeat(num_nodes, 1)  # [N, V]
     if tree is not None and num_nodes > 1:

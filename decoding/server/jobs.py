@@ -158,8 +158,6 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
         raise bad_request(f"max_tokens ({max_tokens}) is more than the context leaves after the prompt "
                           f"({room})", "max_tokens", "context_length_exceeded")
     _check_token_ids(req.stop_token_ids or [], model, "stop_token_ids")
-    if any(not word.strip() for word in req.bad_words or ()):
-        raise bad_request("bad_words must be non-blank strings", "bad_words")
     temperature = 1.0 if req.temperature is None else req.temperature
     try:
         return SamplingParams(
@@ -176,8 +174,9 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
             guided_choice=_guided_choice(req),
             speculative=req.speculative is not False,
             output_kind="delta" if req.stream else "final")  # a full response is read once, at the end
-    except ValueError as err:  # e.g. min_tokens > max_tokens
-        raise bad_request(str(err)) from None
+    except ValueError as err:  # e.g. min_tokens > max_tokens; SamplingParams' messages start with the field
+        field = str(err).split(maxsplit=1)[0]
+        raise bad_request(str(err), field if field in type(req).model_fields else None) from None
 
 
 def _truncated(ids: list[int], req: _SamplingRequest, max_model_len: int) -> list[int]:
@@ -213,10 +212,7 @@ def _guided_choice(req: _SamplingRequest) -> tuple[str, ...]:
         return ()
     if not isinstance(choice, list) or not choice or any(not isinstance(c, str) or not c for c in choice):
         raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
-    if req.ignore_eos or req.min_tokens:
-        raise bad_request(f"{param} cannot be combined with ignore_eos or min_tokens (the choice ends the output)",
-                          param)
-    return tuple(choice)
+    return tuple(choice)  # with ignore_eos or min_tokens, SamplingParams refuses it (naming guided_choice)
 
 
 def _allowed_token_ids(allowed: list[int] | None, model: Any) -> tuple[int, ...] | None:
