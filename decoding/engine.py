@@ -196,7 +196,7 @@ class LLMEngine:
             # prompt logprobs need every prompt position's hidden state: none may come from the prefix cache
             seq = Sequence(sub, ids, reads_prefix_cache=params.prompt_logprobs is None)
             request = EngineRequest(seq, params, TokenSampler(seed), detok, parent_id=rid, index=index,
-                                    stop_ids=stop_ids, quiet=quiet, rules=rules)
+                                    stop_ids=stop_ids, quiet=quiet, rules=rules.for_sequence())
             self.requests[sub] = request
             self.scheduler.add(request.seq)
         return rid

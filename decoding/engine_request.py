@@ -12,10 +12,12 @@ import numpy as np
 
 from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
 from medusa.decoding.logits_processing import TokenRules
+from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.outputs import RequestStats, TokenLogprob
 from medusa.decoding.sampler import SamplingConfig, TokenSampler
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.sequence import Sequence
+from medusa.decoding.token_guide import GuideProgress, RegexGuide
 
 
 @dataclass
@@ -62,13 +64,15 @@ def make_detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetok
 
 def token_rules(tokenizer: Any, params: SamplingParams, eos: set[int]) -> TokenRules:
     """params' bad words and guided choices as token sequences: a bad word as the tokenizer writes it alone and
-    after a space (vLLM's two spellings), a choice as it writes it; a choice then ends with one of `eos`."""
-    if not (params.bad_words or params.guided_choice):
+    after a space (vLLM's two spellings), a choice as it writes it; a choice then ends with one of `eos`. A guided
+    regex as a cursor in its token guide over the tokenizer's vocabulary, ending with one of `eos` too."""
+    if not (params.bad_words or params.guided_choice or params.guided_regex is not None):
         return TokenRules()
     if tokenizer is None:
-        raise ValueError("bad_words and guided_choice need the engine's tokenizer (this engine was made without one)")
-    if params.guided_choice and not eos:
-        raise ValueError("guided_choice needs an end-of-sequence token to end the output after the choice")
+        raise ValueError("bad_words, guided_choice and guided_regex need the engine's tokenizer (this engine was "
+                         "made without one)")
+    if (params.guided_choice or params.guided_regex is not None) and not eos:
+        raise ValueError("guided_choice and guided_regex need an end-of-sequence token to end the output")
 
     def encode(text: str) -> tuple[int, ...]:
         return tuple(tokenizer.encode(text, add_special_tokens=False))
@@ -81,7 +85,12 @@ def token_rules(tokenizer: Any, params: SamplingParams, eos: set[int]) -> TokenR
         if params.guided_choice and not (choices and ends):
             raise ValueError("allowed_token_ids leaves no guided_choice that can be written and ended (every choice "
                              "has a token it does not allow, or it allows no end-of-sequence token)")
-    return TokenRules(tuple(sorted(w for w in words if w)), tuple(sorted(choices)), tuple(sorted(ends)))
+    guide = None
+    if params.guided_regex is not None:
+        if not ends:
+            raise ValueError("allowed_token_ids allows no end-of-sequence token: a guided_regex output could not end")
+        guide = GuideProgress(RegexGuide.of(compile_regex(params.guided_regex), tokenizer, sorted(ends)))
+    return TokenRules(tuple(sorted(w for w in words if w)), tuple(sorted(choices)), tuple(sorted(ends)), guide)
 
 
 def until_stop_string(request: EngineRequest, tokens: list[int]) -> tuple[list[int], bool]:

@@ -1,4 +1,5 @@
-"""Per-request changes to the base logits before a verdict: the min_tokens EOS ban, logit bias and penalties.
+"""Per-request changes to the base logits before a verdict: the min_tokens EOS ban, logit bias, penalties and
+token rules (bad words, guided choices and regexes).
 
 Both work on every node of a tree at once: node i's logits predict output
 number num_output_tokens + depth(i), after the text of node i's path. Logprobs
@@ -7,7 +8,7 @@ are always reported from the raw logits, before these changes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.outputs import TokenLogprob
 from medusa.decoding.sampling_params import SamplingParams
+from medusa.decoding.token_guide import GuideProgress
 
 
 def suppress_eos(params: SamplingParams, produced: int, banned: Sequence[int], logits: torch.Tensor,
@@ -36,22 +38,28 @@ def suppress_eos(params: SamplingParams, produced: int, banned: Sequence[int], l
 class TokenRules:
     """A request's rules over token sequences, from its params through the tokenizer (`engine_request.token_rules`):
     bad words, each a token sequence whose last token may not complete it; guided choices, the token sequences
-    the output must be one of, then one of `ends` (EOS)."""
+    the output must be one of, then one of `ends` (EOS); a guide, the tokens that keep the output's text a prefix
+    of a match of guided_regex, and `ends` once it matches."""
 
     bad_words: tuple[tuple[int, ...], ...] = ()
     choices: tuple[tuple[int, ...], ...] = ()
     ends: tuple[int, ...] = ()
+    guide: GuideProgress | None = None  # guided_regex: a cursor in the pattern's token guide (one per sequence)
 
     def __bool__(self) -> bool:
-        return bool(self.bad_words or self.choices)
+        return bool(self.bad_words or self.choices or self.guide)
+
+    def for_sequence(self) -> TokenRules:
+        """The rules for one more sequence of the request (n > 1): its own guide cursor, the rest shared."""
+        return self if self.guide is None else replace(self, guide=GuideProgress(self.guide.guide))
 
 
 def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Tensor,
              tree: DeviceTree | None = None, candidates: torch.Tensor | None = None,
              prompt_ids: Sequence[int] = (), rules: TokenRules = TokenRules()) -> torch.Tensor:
-    """logit_bias, allowed_token_ids and the token-sequence rules (bad words, guided choices), then the repetition
-    penalty and OpenAI's presence / frequency penalties, at every tree node, each from its own text (vLLM's order
-    and semantics).
+    """logit_bias, allowed_token_ids and the token rules (bad words, guided choices, a guided regex), then the
+    repetition penalty and OpenAI's presence / frequency penalties, at every tree node, each from its own text
+    (vLLM's order and semantics).
 
     logits [N, V] at the nodes of `tree` (candidates [N], root first), or [1, V]
     at the last token with no tree. Row i predicts the token after node i, so
@@ -75,7 +83,7 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
     if params.allowed_token_ids is not None:
         allowed = torch.tensor(params.allowed_token_ids, device=device)
         logits = torch.full_like(logits, float("-inf")).index_copy_(1, allowed, logits[:, allowed])
-    if rules:
+    if rules.bad_words or rules.choices:
         # the output's tail is enough: a word is matched at the text's end, and an output longer than every
         # choice (a tail one longer than the longest) can be none of them
         keep = max([len(word) for word in rules.bad_words] + [len(choice) + 1 for choice in rules.choices])
@@ -83,6 +91,8 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
         _ban_bad_words(logits, rules.bad_words, texts)
         if rules.choices:
             logits = _follow_choices(logits, rules, texts)
+    if rules.guide is not None:
+        logits = _follow_guide(logits, rules, output_ids, _node_texts([], tree, candidates, num_nodes))
     if params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1:
         return logits  # no count-based penalty: skip the [N, V] counts
     output = torch.tensor(list(output_ids), dtype=torch.long, device=device)
@@ -131,6 +141,27 @@ def _follow_choices(logits: torch.Tensor, rules: TokenRules, texts: list[list[in
             nexts.update(rules.ends)
         allowed[i, sorted(nexts)] = True
     return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _follow_guide(logits: torch.Tensor, rules: TokenRules, output_ids: Sequence[int],
+                  paths: list[list[int]]) -> torch.Tensor:
+    """Each node may write only tokens that keep its text (the output, then its path below the root) a prefix of
+    a match of the guide's pattern, and an end token where that text matches. A node left with nothing to write
+    (other rules banned every token the guide allows) may end."""
+    guide = rules.guide.guide
+    root = rules.guide.state_after(output_ids)
+    states = []
+    for path in paths:
+        state = root
+        for token in path:
+            state = guide.advance(state, token)
+        states.append(state)
+    allowed = torch.stack([guide.allowed(state) for state in states]).to(logits.device)  # [N, V]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    stuck = torch.isneginf(logits).all(-1).nonzero().squeeze(-1)
+    if len(stuck):
+        logits[stuck[:, None], torch.tensor(rules.ends, device=logits.device)[None, :]] = 0.0
+    return logits
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:

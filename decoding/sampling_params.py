@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
+from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.sampler import SamplingConfig
 
 
@@ -44,6 +45,9 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     # vLLM's guided_choice: the output is one of these strings (as the tokenizer writes each), then EOS
     guided_choice: tuple[str, ...] = ()
+    # vLLM's guided_regex: the output's text is a whole match of this pattern (`regex_dfa` says what syntax), then
+    # EOS. Tokens that would leave every match are banned at each tree node, from the node's own text
+    guided_regex: str | None = None
     speculative: bool = True  # False: plain decoding, which only an engine without heads runs (it checks)
     # "delta": every output carries the text its new tokens add (streaming: the text is decoded every
     # step). "final": text only in the finished output, decoded once at the end; earlier outputs carry
@@ -103,7 +107,8 @@ class SamplingParams:
         self.sampling()  # validates temperature, top_p, top_k
 
     def _check_token_limits(self) -> None:
-        """allowed_token_ids, bad_words and guided_choice: checked, kept as sorted / plain tuples."""
+        """allowed_token_ids, bad_words, guided_choice and guided_regex: checked, the lists kept as sorted / plain
+        tuples."""
         if self.allowed_token_ids is not None:
             allowed = [None] if isinstance(self.allowed_token_ids, (str, bytes)) else list(self.allowed_token_ids)
             if not allowed or any(not _is_int(t) or t < 0 for t in allowed):
@@ -120,6 +125,13 @@ class SamplingParams:
         if self.guided_choice and (self.ignore_eos or self.min_tokens):
             raise ValueError("guided_choice ends the output with EOS once a choice is written: it cannot be "
                              "combined with ignore_eos or min_tokens")
+        if self.guided_regex is not None:
+            compile_regex(self.guided_regex)  # a ValueError naming guided_regex and what is wrong
+            if self.guided_choice:
+                raise ValueError("guided_regex and guided_choice cannot both be set: give one guide")
+            if self.ignore_eos or self.min_tokens:
+                raise ValueError("guided_regex ends the output with EOS once its text cannot go on matching: it "
+                                 "cannot be combined with ignore_eos or min_tokens")
 
     @property
     def has_penalties(self) -> bool:
@@ -127,7 +139,7 @@ class SamplingParams:
         gives every verdict."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
                 or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
-                or bool(self.guided_choice))
+                or bool(self.guided_choice) or self.guided_regex is not None)
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

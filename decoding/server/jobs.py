@@ -3,10 +3,10 @@
 All the semantic checks live here (context length, vocabulary, options the
 engine cannot honour), so the engine only ever sees requests it can run.
 
-logit_bias, allowed_token_ids, bad_words, guided_choice, repetition_penalty,
+logit_bias, allowed_token_ids, bad_words, guided_choice, guided_regex, repetition_penalty,
 presence_penalty and frequency_penalty go to the engine, which applies them along
 every tree node's own path, so they stay lossless with Medusa. Tools, structured
-output other than a choice, `suffix` and vLLM's other fields that change the
+output other than a choice or a regex, `suffix` and vLLM's other fields that change the
 output but are not implemented (`UNSERVED`) are refused with a 400 rather than
 silently ignored.
 """
@@ -22,6 +22,7 @@ from jinja2 import TemplateError
 
 from medusa.chat import chat_prompt_ids
 from medusa.decoding.engine import EngineConfig
+from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.server.errors import APIError, bad_request, unsupported
 from medusa.decoding.server.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
@@ -32,8 +33,9 @@ ENGINE_CONTEXT_MARGIN = 8
 # Below this a temperature only amplifies float error: treat it as greedy (vLLM does the same).
 GREEDY_BELOW = 1e-5
 # vLLM's request fields this server does not implement, each refused when set (not null, false or empty)
-UNSERVED = {**dict.fromkeys(("guided_json", "guided_regex", "guided_grammar"),
-                            "structured output other than a choice (guided_choice) is not implemented"),
+UNSERVED = {**dict.fromkeys(("guided_json", "guided_grammar"),
+                            "structured output other than a choice or a regex (guided_choice, guided_regex) is "
+                            "not implemented"),
             "use_beam_search": "beam search is not implemented",
             "logits_processors": "custom logits processors are not served",
             "prompt_embeds": "prompts are served as text or token ids only"}
@@ -159,6 +161,7 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
                           f"({room})", "max_tokens", "context_length_exceeded")
     _check_token_ids(req.stop_token_ids or [], model, "stop_token_ids")
     temperature = 1.0 if req.temperature is None else req.temperature
+    guided_choice, guided_regex = _guided(req)
     try:
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
@@ -171,7 +174,7 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=req.repetition_penalty or 1.0, logit_bias=_logit_bias(req.logit_bias, model),
             allowed_token_ids=_allowed_token_ids(req.allowed_token_ids, model), bad_words=tuple(req.bad_words or ()),
-            guided_choice=_guided_choice(req),
+            guided_choice=guided_choice, guided_regex=guided_regex,
             speculative=req.speculative is not False,
             output_kind="delta" if req.stream else "final")  # a full response is read once, at the end
     except ValueError as err:  # e.g. min_tokens > max_tokens; SamplingParams' messages start with the field
@@ -200,19 +203,26 @@ def _logit_bias(bias: dict[str, float] | None, model: Any) -> dict[int, float]:
     return {token: min(max(value, -100.0), 100.0) for token, value in ids.items()}
 
 
-def _guided_choice(req: _SamplingRequest) -> tuple[str, ...]:
-    """vLLM's guided_choice, or structured_outputs={"choice": [...]} (its newer spelling): the strings the output
-    must be one of."""
-    choice, param = req.guided_choice, "guided_choice"
+def _guided(req: _SamplingRequest) -> tuple[tuple[str, ...], str | None]:
+    """vLLM's guided_choice and guided_regex, or structured_outputs={"choice": [...]} / {"regex": "..."} (its newer
+    spelling): the strings the output must be one of, and the pattern its text must match."""
+    choice, regex, param = req.guided_choice, req.guided_regex, None
     if req.structured_outputs:
-        if not isinstance(req.structured_outputs, dict) or set(req.structured_outputs) != {"choice"}:
-            raise unsupported("structured_outputs", "only {\"choice\": [...]} is implemented")
-        choice, param = req.structured_outputs["choice"], "structured_outputs"
-    if choice is None:
-        return ()
-    if not isinstance(choice, list) or not choice or any(not isinstance(c, str) or not c for c in choice):
-        raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
-    return tuple(choice)  # with ignore_eos or min_tokens, SamplingParams refuses it (naming guided_choice)
+        outputs = req.structured_outputs
+        if not isinstance(outputs, dict) or len(outputs) != 1 or not set(outputs) <= {"choice", "regex"}:
+            raise unsupported("structured_outputs", "only {\"choice\": [...]} or {\"regex\": \"...\"} is implemented")
+        choice, regex, param = outputs.get("choice"), outputs.get("regex"), "structured_outputs"
+    if choice is not None and (not isinstance(choice, list) or not choice
+                               or any(not isinstance(c, str) or not c for c in choice)):
+        raise bad_request(f"{param or 'guided_choice'} must be a non-empty list of non-empty strings",
+                          param or "guided_choice")
+    if regex is not None:
+        try:
+            compile_regex(regex)
+        except ValueError as err:
+            raise bad_request(str(err), param or "guided_regex") from None
+    # with ignore_eos or min_tokens, or both set, SamplingParams refuses them (naming the field)
+    return tuple(choice or ()), regex
 
 
 def _allowed_token_ids(allowed: list[int] | None, model: Any) -> tuple[int, ...] | None:

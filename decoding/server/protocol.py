@@ -54,14 +54,14 @@ class _SamplingRequest(_Strict):
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be output
     bad_words: list[str] | None = None  # vLLM's: words the output may not complete
     guided_choice: Any = None  # vLLM's: the output is one of these strings (checked in jobs, as structured_outputs)
+    guided_regex: Any = None  # vLLM's: the output's text matches this regular expression (checked in jobs)
+    structured_outputs: Any = None  # vLLM's newer spelling: {"choice": [...]} or {"regex": "..."}
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's logprob + top k
     speculative: bool | None = True  # Medusa tree verification; False: plain one-token steps
     # vLLM's fields that change the output and that this server does not implement: read so that a request
     # setting one is refused (jobs.UNSERVED) rather than answered as if it had not
     guided_json: Any = None
-    guided_regex: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
     use_beam_search: Any = None
     logits_processors: Any = None
     prompt_embeds: Any = None

@@ -99,7 +99,13 @@ BAD = [
     (CHAT, chat(guided_choice=["yes", "no"], ignore_eos=True), 400, "guided_choice"),
     (COMP, comp(structured_outputs={"choice": [1]}), 400, "structured_outputs"),
     (COMP, comp(structured_outputs={"json": {}}), 400, "structured_outputs"),
-    (COMP, comp(guided_regex="[0-9]+"), 400, "guided_regex"),
+    (COMP, comp(guided_regex="[0-9"), 400, "guided_regex"),
+    (COMP, comp(guided_regex="a(?=b)"), 400, "guided_regex"),
+    (COMP, comp(guided_regex=7), 400, "guided_regex"),
+    (CHAT, chat(guided_regex="[0-9]+", ignore_eos=True), 400, "guided_regex"),
+    (CHAT, chat(guided_regex="[0-9]+", guided_choice=["1"]), 400, "guided_regex"),
+    (COMP, comp(structured_outputs={"regex": "(a"}), 400, "structured_outputs"),
+    (COMP, comp(structured_outputs={"regex": "a", "choice": ["a"]}), 400, "structured_outputs"),
     (CHAT, chat(use_beam_search=True), 400, "use_beam_search"),
     (COMP, comp(bad_words=["the", " "]), 400, "bad_words"),
     (COMP, comp(bad_words="the"), 400, "bad_words"),
@@ -209,7 +215,7 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "top_logprobs", "ignore_eos", "min_tokens", "speculative", "echo", "stop_token_ids", "logit_bias",
           "repetition_penalty", "min_p", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
           "add_generation_prompt", "continue_final_message", "prompt_logprobs", "allowed_token_ids", "bad_words",
-          "guided_choice", "structured_outputs"]
+          "guided_choice", "guided_regex", "structured_outputs"]
 # Plausible values mixed in, so the fuzz also reaches past the first validation error.
 plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3], ["a", "b"]]),
              "max_tokens": st.integers(-2, 6), "n": st.integers(0, 3), "temperature": st.floats(-1, 3),
@@ -218,7 +224,8 @@ plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3
                                                                   st.floats(-300, 300), max_size=3),
              "min_p": st.floats(-0.5, 1.5), "repetition_penalty": st.floats(-1, 3),
              "truncate_prompt_tokens": st.integers(-3, 5), "continue_final_message": st.booleans(),
-             "prompt_logprobs": st.integers(-1, 3), "allowed_token_ids": st.lists(st.integers(-1, 60), max_size=3)}
+             "prompt_logprobs": st.integers(-1, 3), "allowed_token_ids": st.lists(st.integers(-1, 60), max_size=3),
+             "guided_regex": st.sampled_from(["[0-9]+", "(yes|no)", "a(?=b)", "[", "", "x{2,1}"])}
 
 
 @st.composite

@@ -6,6 +6,7 @@ get the tokenizer's own special tokens (a BOS where it adds one) wherever they e
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -346,6 +347,29 @@ def test_guided_choice_answers_with_one_of_the_choices(client):
     refused = client.post("/v1/chat/completions", json={"messages": MSG, "guided_choice": choices,
                                                          "allowed_token_ids": [5]}, headers=auth)
     assert refused.status_code == 400 and "allowed_token_ids leaves no guided_choice" in refused.text
+
+
+def test_guided_regex_answers_in_the_pattern(client):
+    """vLLM's guided_regex (and structured_outputs={"regex": ...}): the answer's text is a whole match, then ends;
+    Medusa trees and plain steps give the same one, streamed or not."""
+    auth = {"Authorization": "Bearer secret"}
+    pattern = r"(Yes|No), because [a-z ]{5,20}\."
+    said = set()
+    for extra in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}):
+        for speculative in (True, False):
+            body = {"messages": MSG, "max_tokens": 60, "temperature": 0, "speculative": speculative, **extra}
+            resp = client.post("/v1/chat/completions", json=body, headers=auth)
+            assert resp.status_code == 200, resp.text
+            choice = resp.json()["choices"][0]
+            assert re.fullmatch(pattern, choice["message"]["content"]) and choice["finish_reason"] == "stop"
+            said.add(choice["message"]["content"])
+    assert len(said) == 1
+    body = {"prompt": "Call me at", "max_tokens": 20, "temperature": 0.9, "seed": 2, "stream": True,
+            "guided_regex": r" \d{3}-\d{4}"}
+    with client.stream("POST", "/v1/completions", json=body, headers=auth) as resp:
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in resp.iter_lines()
+                       if line.startswith("data: {"))
+    assert re.fullmatch(r" \d{3}-\d{4}", text), text
 
 
 def test_unserved_vllm_fields_at_their_defaults_are_accepted(client):

@@ -1,0 +1,143 @@
+"""Which tokens keep a guided output matchable: a regex's character DFA lifted to the tokenizer's vocabulary.
+
+`VocabTrie` holds every token's text in a character trie, once per tokenizer.
+`RegexGuide` walks that trie from a DFA state, pruning at the first dead
+character, so the tokens a state allows (and the state each leads to) cost one
+pass over the live part of the trie, made the first time the state is reached
+and kept. `GuideProgress` is a request's own cursor: the state after its output,
+advanced by the tokens appended since the last step.
+
+A token's text is its bytes decoded as UTF-8 (byte-level tokenizers), or its
+piece with SentencePiece's "▁" read as a space. Tokens whose bytes are not
+whole UTF-8 characters alone, special tokens and empty ones are never allowed
+under a guide: characters a tokenizer splits across tokens cannot be written.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence
+
+import torch
+
+from medusa.decoding import byte_level
+from medusa.decoding.regex_dfa import DEAD, CharDFA
+
+_END = ""  # the trie key under which a node lists the token ids whose text ends there
+_tries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> VocabTrie
+_guides: dict[tuple[int, str], RegexGuide] = {}  # (id(trie), pattern) -> guide; a few patterns live at once
+
+
+class VocabTrie:
+    """Token texts (None: not writable under a guide) in a trie of nested dicts, char -> child; a node's
+    `_END` entry lists the ids whose text ends at it."""
+
+    def __init__(self, texts: Sequence[str | None]) -> None:
+        self.vocab = len(texts)
+        self.root: dict = {}
+        for token, text in enumerate(texts):
+            if text:
+                node = self.root
+                for char in text:
+                    node = node.setdefault(char, {})
+                node.setdefault(_END, []).append(token)
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> VocabTrie:
+        """The trie of `tokenizer`'s vocabulary, built on first use and kept while the tokenizer lives."""
+        if tokenizer not in _tries:
+            _tries[tokenizer] = cls(token_texts(tokenizer))
+        return _tries[tokenizer]
+
+
+def token_texts(tokenizer: Any) -> list[str | None]:
+    """Each id's text alone, or None where it has none a guide can use (special, empty, a partial character)."""
+    table = byte_level.byte_table(tokenizer)
+    if table is not None:
+        return [_utf8(data) for data in table]
+    special = set(tokenizer.all_special_ids)
+    size = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
+    return [None if token in special or piece is None or _is_byte_piece(piece) else piece.replace("▁", " ")
+            for token, piece in enumerate(pieces)]
+
+
+def _utf8(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8") or None
+    except UnicodeDecodeError:
+        return None
+
+
+def _is_byte_piece(piece: str) -> bool:
+    """SentencePiece's byte fallback pieces, "<0x0A>": one byte each, not a character a guide can follow."""
+    return len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+
+
+class RegexGuide:
+    """A pattern's DFA over one vocabulary: `allowed(state)` -> bool mask [V] (ends included where the state
+    accepts), `advance(state, token)` -> the state after the token (DEAD if it was not allowed)."""
+
+    def __init__(self, dfa: CharDFA, trie: VocabTrie, ends: Sequence[int]) -> None:
+        self.dfa, self.trie, self.ends = dfa, trie, tuple(ends)
+        self._next: dict[int, dict[int, int]] = {}  # state -> {allowed token: state after it}
+        self._masks: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, dfa: CharDFA, tokenizer: Any, ends: Sequence[int]) -> RegexGuide:
+        trie = VocabTrie.of(tokenizer)
+        key = (id(trie), dfa.pattern, tuple(ends))
+        if key not in _guides:
+            if len(_guides) >= 32:
+                _guides.pop(next(iter(_guides)))
+            _guides[key] = cls(dfa, trie, ends)
+        return _guides[key]
+
+    @property
+    def start(self) -> int:
+        return self.dfa.start
+
+    def advance(self, state: int, token: int) -> int:
+        return DEAD if state == DEAD else self._moves(state).get(token, DEAD)
+
+    def allowed(self, state: int) -> torch.Tensor:
+        """bool [V]: the tokens that keep the text matchable, and the ends where the text already matches.
+        A dead state (a text that left the pattern, which the guide never writes) allows the ends only."""
+        if state not in self._masks:
+            mask = torch.zeros(self.trie.vocab, dtype=torch.bool)
+            moves = self._moves(state) if state != DEAD else {}
+            mask[list(moves)] = True
+            if state == DEAD or self.dfa.accepts(state):
+                mask[list(self.ends)] = True
+            self._masks[state] = mask
+        return self._masks[state]
+
+    def _moves(self, state: int) -> dict[int, int]:
+        if state not in self._next:
+            moves, stack, step = {}, [(self.trie.root, state)], self.dfa.step
+            while stack:
+                node, at = stack.pop()
+                for char, child in node.items():
+                    if char == _END:
+                        moves.update(dict.fromkeys(child, at))
+                    elif (after := step(at, char)) != DEAD:
+                        stack.append((child, after))
+            self._next[state] = moves
+        return self._next[state]
+
+
+class GuideProgress:
+    """One request's place in its guide: the DFA state after its output, kept across steps (an output only grows:
+    each call walks just the tokens appended since the last)."""
+
+    def __init__(self, guide: RegexGuide) -> None:
+        self.guide = guide
+        self._known, self._state = 0, guide.start
+
+    def state_after(self, output_ids: Sequence[int]) -> int:
+        if len(output_ids) < self._known:  # not this request's growing output: start over
+            self._known, self._state = 0, self.guide.start
+        for token in output_ids[self._known:]:
+            self._state = self.guide.advance(self._state, token)
+        self._known = len(output_ids)
+        return self._state

@@ -1,0 +1,204 @@
+"""guided_regex: the pattern's character DFA against Python's `re`, its token guide against a brute-force oracle, and
+the engine with it (Medusa greedy equals a full-recompute reference; seeded sampling equals plain decoding)."""
+
+import functools
+import itertools
+import random
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from medusa.attention import CausalAttention
+from medusa.decoding.logits_processing import TokenRules
+from medusa.decoding.regex_dfa import DEAD, compile_regex
+from medusa.decoding.sampling_params import SamplingParams
+from medusa.decoding.token_guide import GuideProgress, RegexGuide, VocabTrie
+from engine_driver import force_overlap, random_prompts, single_thread, without_policy
+from tiny_models import tiny_decoder
+
+# each pattern with texts it matches (random texts over ALPHABET are mostly misses)
+PATTERNS = {r"\d{3}-\d{4}": ["555-0199", "٣٣٣-١٢٣٤"], r"(ab|cd)[0-9]{2}": ["ab01", "cd99"],
+            r"[a-c]*b+": ["b", "acabbb"], r"(yes|no|maybe)": ["yes", "no", "maybe"], r"a.c": ["abc", "a c"],
+            r"[^a]+x?": ["bx", "xx", "\n"], r"\w+@\w+\.com": ["a_1@b.com"], r"(a|b)*abb": ["abb", "babaabb"],
+            r"x{2,3}y{0,2}": ["xx", "xxxyy"], r"(?:ab)?c|d": ["c", "abc", "d"], r"^h[ae]llo$": ["hello", "hallo"],
+            r"\s*\{\s*\"a\"\s*:\s*-?\d+\s*\}": ['{"a": -12}', ' {\n"a":0 }'], r"[\]a-]+": ["]-a", "-"],
+            r"a{,2}b": ["b", "aab"], r"(?P<w>[a-z]+)(, [a-z]+)*\.": ["a, bc, d.", "xyz."], r"\D\W\S": ["a ]", "_.0"],
+            r"[\d\s]+": ["1 2\n3"], r"\x41\u00e9+": ["Aéé"], "é.ü": ["é ü", "ééü"], r"a+?b*?": ["a", "aabb"],
+            r"[^\n]*\n": ["abc\n", "\n"]}
+ALPHABET = "abcdxy019-@.,{}\" :\n_]Aéü "
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_the_dfa_accepts_what_python_re_fullmatches(pattern):
+    dfa, expr, rng = compile_regex(pattern), re.compile(pattern), random.Random(pattern)
+    texts = ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 10))) for _ in range(3000)]
+    for match in PATTERNS[pattern]:  # each match, and every text one edit away from it
+        texts += [match] + [match[:i] + c + match[i + 1:] for i in range(len(match)) for c in ALPHABET]
+        texts += [match[:i] + match[i + 1:] for i in range(len(match))] + [match + c for c in ALPHABET]
+    assert all(expr.fullmatch(m) for m in PATTERNS[pattern])
+    for text in texts:
+        assert dfa.accepts(dfa.walk(dfa.start, text)) == bool(expr.fullmatch(text)), text
+
+
+@pytest.mark.parametrize("pattern", ["a(?=b)", r"(a)\1", "a*+", "a$b", "(?i)a", "[", r"\bfoo", "a^b", "", "a{3,2}",
+                                     "a{2000}"])
+def test_patterns_it_cannot_follow_are_refused_naming_guided_regex(pattern):
+    with pytest.raises(ValueError, match="guided_regex"):
+        compile_regex(pattern)
+    with pytest.raises(ValueError, match="guided_regex"):
+        SamplingParams(guided_regex=pattern)
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(guided_choice=("a",)), "cannot both be set"),
+                                             (dict(ignore_eos=True), "ignore_eos or min_tokens"),
+                                             (dict(min_tokens=1), "ignore_eos or min_tokens")])
+def test_guided_regex_refuses_what_would_keep_it_from_ending(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(guided_regex="a+", **kwargs)
+
+
+# a vocabulary over "ab01" for the brute-force oracle
+TOKENS = ["a", "b", "0", "1", "ab", "ba", "01", "b1", "aab", "10", "x"]  # "x" is in no pattern below
+ORACLE_PATTERNS = [r"(ab|ba)+[01]{1,3}", r"a?b{1,3}0?", r"(a|b)*1", r"(ab|b1)(0|10)?", r"[ab]{2}[01]*"]
+
+
+COMPLETIONS = ["".join(c) for n in range(5) for c in itertools.product("ab01", repeat=n)]
+
+
+@functools.lru_cache(maxsize=None)
+def viable(pattern, text):
+    """Whether `text` begins a match: every oracle pattern completes a text that does within 4 characters."""
+    expr = re.compile(pattern)
+    return any(expr.fullmatch(text + rest) for rest in COMPLETIONS)
+
+
+@pytest.mark.parametrize("pattern", ORACLE_PATTERNS)
+def test_each_state_allows_the_tokens_that_keep_the_text_a_prefix_of_a_match(pattern):
+    end = len(TOKENS)
+    guide = RegexGuide(compile_regex(pattern), VocabTrie(TOKENS + [None]), [end])
+    for n in range(5):
+        for text in map("".join, itertools.product("ab01", repeat=n)):
+            state = guide.dfa.walk(guide.start, text)
+            if not viable(pattern, text):
+                assert state == DEAD or not guide.allowed(state)[:end].any(), text
+                continue
+            want = {t for t, piece in enumerate(TOKENS) if viable(pattern, text + piece)}
+            if re.fullmatch(pattern, text):
+                want.add(end)
+            assert set(guide.allowed(state).nonzero().flatten().tolist()) == want, text
+            assert all(guide.advance(state, t) == guide.dfa.walk(state, TOKENS[t]) for t in want - {end})
+
+
+def test_a_cursor_walks_only_the_tokens_appended_since_its_last_call():
+    guide = RegexGuide(compile_regex(r"(ab|ba)+[01]{1,3}"), VocabTrie(TOKENS), [])
+    cursor, text = GuideProgress(guide), []
+    for token in [4, 5, 0, 1, 2]:  # ab ba a b 0
+        text.append(token)
+        assert cursor.state_after(text) == guide.dfa.walk(guide.start, "".join(TOKENS[t] for t in text))
+    assert guide.dfa.accepts(cursor.state_after(text))
+    assert cursor.state_after([]) == guide.start  # another output: from the start
+
+
+# the engine, on a tiny random model whose 12 token ids are spelled TOKENS, then the end
+VOCAB, END = 12, 11
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "overlap"])
+def overlap(request, monkeypatch):
+    return force_overlap(request, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    with single_thread():
+        yield tiny_decoder(VOCAB, logit_scale=3, num_heads=4)
+
+
+def spelled_by_tokens(monkeypatch):
+    """The tiny model has no tokenizer: its ids' texts are TOKENS, and END ends the output."""
+    import medusa.decoding.engine as engine_module
+
+    def rules(tokenizer, params, eos):
+        guide = RegexGuide(compile_regex(params.guided_regex), VocabTrie(TOKENS + [None]), [END])
+        return TokenRules(ends=(END,), guide=GuideProgress(guide))
+
+    monkeypatch.setattr(engine_module, "token_rules", rules)
+
+
+@torch.no_grad()
+def reference_guided(model, prompt, pattern, max_tokens):
+    """Greedy under the oracle, full recompute each step: the best token whose text keeps the output a prefix of a
+    match, or END once it matches and END is best."""
+    output, text = [], ""
+    while len(output) < max_tokens:
+        ids = torch.tensor(prompt + output)
+        logits = model.compute_logits(model(ids, torch.arange(len(ids)), CausalAttention()))[-1]
+        allowed = [t for t, piece in enumerate(TOKENS) if viable(pattern, text + piece)]
+        allowed += [END] if re.fullmatch(pattern, text) else []
+        token = max(allowed, key=lambda t: logits[t].item())
+        output.append(token)
+        if token == END:
+            break
+        text += TOKENS[token]
+    return output
+
+
+@pytest.mark.parametrize("pattern", [r"(ab|ba){1,3}[01]{1,2}", r"(a|b)*1", r"a?b{1,3}(0|10)?"])
+def test_medusa_writes_what_greedy_under_the_oracle_does_and_sampling_what_plain_decoding_does(tiny, monkeypatch,
+                                                                                               pattern, overlap):
+    from medusa.decoding.engine import EngineConfig, LLMEngine
+
+    model, heads = tiny
+    spelled_by_tokens(monkeypatch)
+    engine = lambda h: LLMEngine(model, h, EngineConfig(num_blocks=128, block_size=4))  # noqa: E731
+    ps = random_prompts(6, VOCAB, 12, seed=3)
+    params = SamplingParams(max_tokens=10, guided_regex=pattern, stop_token_ids=(END,))
+    outs = engine(heads).generate(ps, params)
+    for p, out in zip(ps, outs):
+        want = reference_guided(model, p, pattern, 10)
+        assert out.token_ids == [t for t in want if t != END], p
+        text = "".join(TOKENS[t] for t in out.token_ids)
+        assert re.fullmatch(pattern, text) if out.finish_reason == "stop" else viable(pattern, text)
+    assert sum(o.stats.accepted_tokens for o in outs) > 0
+    assert any(o.finish_reason == "stop" for o in outs)
+    sampled = replace(params, temperature=1.0, seed=7, n=2)
+    medusa, plain = engine(heads).generate(ps, sampled), engine(None).generate(ps, sampled)
+    assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
+    for out in medusa:
+        text = "".join(TOKENS[t] for t in out.token_ids)
+        assert re.fullmatch(pattern, text) if out.finish_reason == "stop" else viable(pattern, text)
+
+
+def test_the_default_tokenizer_spells_a_match_and_nothing_that_leaves_it(default_model_dir):
+    from transformers import AutoTokenizer
+
+    from medusa.decoding.engine_request import token_rules
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    rules = token_rules(tokenizer, SamplingParams(guided_regex=r"[A-Z][a-z]+, \d{3}-\d{4}\."), {2})
+    guide, state = rules.guide.guide, rules.guide.guide.start
+    for token in tokenizer.encode("Alice, 555-0199.", add_special_tokens=False):
+        assert guide.allowed(state)[token]
+        state = guide.advance(state, token)
+    allowed = guide.allowed(state)
+    assert allowed[2] and allowed.sum() == 1  # whole: only the end is left
+    first = guide.allowed(guide.start).nonzero().flatten().tolist()
+    texts = tokenizer.convert_ids_to_tokens(first)
+    assert first and all(re.fullmatch(r"[A-Z][a-z]*(,( (\d{1,3})?)?)?", t) for t in texts), texts
+    with pytest.raises(ValueError, match="no end-of-sequence token"):
+        token_rules(tokenizer, SamplingParams(guided_regex="a", allowed_token_ids=(5, 6)), {2})
+
+
+@pytest.mark.slow
+def test_the_default_model_answers_in_the_pattern_with_medusa_as_without(default_model_dir):
+    from medusa.medusa_model import MedusaModel
+
+    model = MedusaModel.from_pretrained(device="cpu")
+    prompt = model.encode([{"role": "user", "content": "Give me a phone number for the bakery."}])
+    params = SamplingParams(max_tokens=24, guided_regex=r"\(\d{3}\) \d{3}-\d{4}")
+    medusa = without_policy(model.engine()).generate([prompt], params)[0]  # trees every step
+    plain = model.engine(speculative=False).generate([prompt], params)[0]
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", medusa.text) and medusa.finish_reason == "stop"
+    assert medusa.token_ids == plain.token_ids
