@@ -65,14 +65,17 @@ def make_detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetok
 def token_rules(tokenizer: Any, params: SamplingParams, eos: set[int]) -> TokenRules:
     """params' bad words and guided choices as token sequences: a bad word as the tokenizer writes it alone and
     after a space (vLLM's two spellings), a choice as it writes it; a choice then ends with one of `eos`. A guided
-    regex as a cursor in its token guide over the tokenizer's vocabulary, ending with one of `eos` too."""
-    if not (params.bad_words or params.guided_choice or params.guided_regex is not None):
+    regex (or JSON schema, as its regex) as a cursor in its token guide over the tokenizer's vocabulary, ending
+    with one of `eos` too."""
+    pattern = params.guide_pattern
+    if not (params.bad_words or params.guided_choice or pattern is not None):
         return TokenRules()
     if tokenizer is None:
-        raise ValueError("bad_words, guided_choice and guided_regex need the engine's tokenizer (this engine was "
-                         "made without one)")
-    if (params.guided_choice or params.guided_regex is not None) and not eos:
-        raise ValueError("guided_choice and guided_regex need an end-of-sequence token to end the output")
+        raise ValueError("bad_words and guided decoding (guided_choice, guided_regex, guided_json) need the "
+                         "engine's tokenizer (this engine was made without one)")
+    if (params.guided_choice or pattern is not None) and not eos:
+        raise ValueError("guided decoding (guided_choice, guided_regex, guided_json) needs an end-of-sequence "
+                         "token to end the output")
 
     def encode(text: str) -> tuple[int, ...]:
         return tuple(tokenizer.encode(text, add_special_tokens=False))
@@ -86,10 +89,10 @@ def token_rules(tokenizer: Any, params: SamplingParams, eos: set[int]) -> TokenR
             raise ValueError("allowed_token_ids leaves no guided_choice that can be written and ended (every choice "
                              "has a token it does not allow, or it allows no end-of-sequence token)")
     guide = None
-    if params.guided_regex is not None:
+    if pattern is not None:
         if not ends:
-            raise ValueError("allowed_token_ids allows no end-of-sequence token: a guided_regex output could not end")
-        guide = GuideProgress(RegexGuide.of(compile_regex(params.guided_regex), tokenizer, sorted(ends)))
+            raise ValueError("allowed_token_ids allows no end-of-sequence token: a guided output could not end")
+        guide = GuideProgress(RegexGuide.of(compile_regex(pattern), tokenizer, sorted(ends)))
     return TokenRules(tuple(sorted(w for w in words if w)), tuple(sorted(choices)), tuple(sorted(ends)), guide)
 
 

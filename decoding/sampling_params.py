@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import numbers
 from dataclasses import dataclass, field
 
+from medusa.decoding.json_schema import schema_regex
 from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.sampler import SamplingConfig
 
@@ -48,6 +50,9 @@ class SamplingParams:
     # vLLM's guided_regex: the output's text is a whole match of this pattern (`regex_dfa` says what syntax), then
     # EOS. Tokens that would leave every match are banned at each tree node, from the node's own text
     guided_regex: str | None = None
+    # vLLM's guided_json: the output is one JSON text valid under this JSON Schema (a dict is kept as its JSON
+    # text; `json_schema` says what is supported), then EOS. Followed as the regex the schema gives
+    guided_json: str | None = None
     speculative: bool = True  # False: plain decoding, which only an engine without heads runs (it checks)
     # "delta": every output carries the text its new tokens add (streaming: the text is decoded every
     # step). "final": text only in the finished output, decoded once at the end; earlier outputs carry
@@ -125,13 +130,28 @@ class SamplingParams:
         if self.guided_choice and (self.ignore_eos or self.min_tokens):
             raise ValueError("guided_choice ends the output with EOS once a choice is written: it cannot be "
                              "combined with ignore_eos or min_tokens")
-        if self.guided_regex is not None:
-            compile_regex(self.guided_regex)  # a ValueError naming guided_regex and what is wrong
-            if self.guided_choice:
-                raise ValueError("guided_regex and guided_choice cannot both be set: give one guide")
-            if self.ignore_eos or self.min_tokens:
-                raise ValueError("guided_regex ends the output with EOS once its text cannot go on matching: it "
-                                 "cannot be combined with ignore_eos or min_tokens")
+        if self.guided_json is not None:
+            schema = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            object.__setattr__(self, "guided_json", schema)
+        guides = [name for name in ("guided_choice", "guided_regex", "guided_json") if getattr(self, name)]
+        if len(guides) > 1:
+            raise ValueError(f"{guides[-1]} and {guides[0]} cannot both be set: give one guide")
+        if self.guide_pattern is not None and (self.ignore_eos or self.min_tokens):  # also checks the pattern
+            raise ValueError(f"{guides[0]} ends the output with EOS once its text cannot go on matching: it "
+                             f"cannot be combined with ignore_eos or min_tokens")
+
+    @property
+    def guide_pattern(self) -> str | None:
+        """The regex guided_regex or guided_json holds the output's text to (ValueError, naming the field, for one
+        that cannot be followed)."""
+        if self.guided_json is not None:
+            pattern = schema_regex(self.guided_json)
+        elif self.guided_regex is not None:
+            pattern = self.guided_regex
+        else:
+            return None
+        compile_regex(pattern)
+        return pattern
 
     @property
     def has_penalties(self) -> bool:
@@ -139,7 +159,7 @@ class SamplingParams:
         gives every verdict."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
                 or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
-                or bool(self.guided_choice) or self.guided_regex is not None)
+                or bool(self.guided_choice) or self.guided_regex is not None or self.guided_json is not None)
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

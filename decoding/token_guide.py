@@ -16,6 +16,7 @@ under a guide: characters a tokenizer splits across tokens cannot be written.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
@@ -35,12 +36,13 @@ class VocabTrie:
     def __init__(self, texts: Sequence[str | None]) -> None:
         self.vocab = len(texts)
         self.root: dict = {}
-        for token, text in enumerate(texts):
-            if text:
-                node = self.root
-                for char in text:
-                    node = node.setdefault(char, {})
-                node.setdefault(_END, []).append(token)
+        self.tokens = [(token, text, frozenset(text)) for token, text in enumerate(texts) if text]
+        self.alphabet = sorted(set().union(*(chars for _, _, chars in self.tokens)))
+        for token, text, _ in self.tokens:
+            node = self.root
+            for char in text:
+                node = node.setdefault(char, {})
+            node.setdefault(_END, []).append(token)
 
     @classmethod
     def of(cls, tokenizer: Any) -> VocabTrie:
@@ -114,16 +116,36 @@ class RegexGuide:
 
     def _moves(self, state: int) -> dict[int, int]:
         if state not in self._next:
-            moves, stack, step = {}, [(self.trie.root, state)], self.dfa.step
-            while stack:
-                node, at = stack.pop()
-                for char, child in node.items():
-                    if char == _END:
-                        moves.update(dict.fromkeys(child, at))
-                    elif (after := step(at, char)) != DEAD:
-                        stack.append((child, after))
-            self._next[state] = moves
+            firsts = {c: self.dfa.step(state, c) for c in self.trie.alphabet}
+            common = Counter(firsts.values()).most_common(1)[0][0]
+            wide = common != DEAD and sum(t == common for t in firsts.values()) > len(firsts) // 2
+            self._next[state] = self._moves_by_loop(state, firsts, common) if wide else self._moves_by_trie(state)
         return self._next[state]
+
+    def _moves_by_trie(self, state: int) -> dict[int, int]:
+        """Walk the trie from `state`, pruning at the first dead character: cheap where few tokens live."""
+        moves, stack, step = {}, [(self.trie.root, state)], self.dfa.step
+        while stack:
+            node, at = stack.pop()
+            for char, child in node.items():
+                if char == _END:
+                    moves.update(dict.fromkeys(child, at))
+                elif (after := step(at, char)) != DEAD:
+                    stack.append((child, after))
+        return moves
+
+    def _moves_by_loop(self, state: int, firsts: dict[str, int], common: int) -> dict[int, int]:
+        """A state where most characters lead to one state `common` that loops on them (inside a JSON string, say),
+        so most tokens live and the trie would visit every node: a token whose first character leads there and
+        whose every character loops there ends there; only the others are walked."""
+        loop = frozenset(c for c in self.trie.alphabet if firsts[c] == common and self.dfa.step(common, c) == common)
+        moves, walk = {}, self.dfa.walk
+        for token, text, chars in self.trie.tokens:
+            if chars <= loop:
+                moves[token] = common
+            elif (after := walk(state, text)) != DEAD:
+                moves[token] = after
+        return moves
 
 
 class GuideProgress:

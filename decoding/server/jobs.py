@@ -3,13 +3,12 @@
 All the semantic checks live here (context length, vocabulary, options the
 engine cannot honour), so the engine only ever sees requests it can run.
 
-logit_bias, allowed_token_ids, bad_words, guided_choice, guided_regex, repetition_penalty,
-presence_penalty and frequency_penalty go to the engine, which applies them along
-every tree node's own path, so they stay lossless with Medusa. Tools, structured
-output other than a choice or a regex, `suffix` and vLLM's other fields that change the
-output but are not implemented (`UNSERVED`) are refused with a 400 rather than
-silently ignored.
-"""
+logit_bias, allowed_token_ids, bad_words, guided_choice / regex / json (and
+OpenAI's response_format), repetition_penalty, presence_penalty and
+frequency_penalty go to the engine, which applies them along every tree node's
+own path, so they stay lossless with Medusa. Tools, grammars, `suffix` and
+vLLM's other fields that change the output but are not implemented
+(`UNSERVED`) are refused with a 400 rather than silently ignored."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from jinja2 import TemplateError
 
 from medusa.chat import chat_prompt_ids
 from medusa.decoding.engine import EngineConfig
+from medusa.decoding.json_schema import schema_regex
 from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.server.errors import APIError, bad_request, unsupported
@@ -33,9 +33,7 @@ ENGINE_CONTEXT_MARGIN = 8
 # Below this a temperature only amplifies float error: treat it as greedy (vLLM does the same).
 GREEDY_BELOW = 1e-5
 # vLLM's request fields this server does not implement, each refused when set (not null, false or empty)
-UNSERVED = {**dict.fromkeys(("guided_json", "guided_grammar"),
-                            "structured output other than a choice or a regex (guided_choice, guided_regex) is "
-                            "not implemented"),
+UNSERVED = {"guided_grammar": "grammars are not implemented (guided_choice, guided_regex and guided_json are)",
             "use_beam_search": "beam search is not implemented",
             "logits_processors": "custom logits processors are not served",
             "prompt_embeds": "prompts are served as text or token ids only"}
@@ -69,8 +67,6 @@ class Job:
 def chat_job(req: ChatCompletionRequest, model: Any, max_model_len: int) -> Job:
     if req.tools and req.tool_choice != "none":
         raise unsupported("tools", "the server does not parse tool calls")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "structured output is not implemented")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
     ids = _truncated(chat_prompt(req, model), req, max_model_len)
@@ -161,7 +157,7 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
                           f"({room})", "max_tokens", "context_length_exceeded")
     _check_token_ids(req.stop_token_ids or [], model, "stop_token_ids")
     temperature = 1.0 if req.temperature is None else req.temperature
-    guided_choice, guided_regex = _guided(req)
+    guides = _guided(req)
     try:
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
@@ -174,7 +170,7 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=req.repetition_penalty or 1.0, logit_bias=_logit_bias(req.logit_bias, model),
             allowed_token_ids=_allowed_token_ids(req.allowed_token_ids, model), bad_words=tuple(req.bad_words or ()),
-            guided_choice=guided_choice, guided_regex=guided_regex,
+            **guides,
             speculative=req.speculative is not False,
             output_kind="delta" if req.stream else "final")  # a full response is read once, at the end
     except ValueError as err:  # e.g. min_tokens > max_tokens; SamplingParams' messages start with the field
@@ -203,26 +199,54 @@ def _logit_bias(bias: dict[str, float] | None, model: Any) -> dict[int, float]:
     return {token: min(max(value, -100.0), 100.0) for token, value in ids.items()}
 
 
-def _guided(req: _SamplingRequest) -> tuple[tuple[str, ...], str | None]:
-    """vLLM's guided_choice and guided_regex, or structured_outputs={"choice": [...]} / {"regex": "..."} (its newer
-    spelling): the strings the output must be one of, and the pattern its text must match."""
-    choice, regex, param = req.guided_choice, req.guided_regex, None
+def _guided(req: _SamplingRequest) -> dict[str, Any]:
+    """vLLM's guided_choice, guided_regex and guided_json, or structured_outputs={"choice" | "regex" | "json": ...}
+    (its newer spelling), or OpenAI's response_format (chat): SamplingParams' guided_* fields."""
+    guides = {"guided_choice": req.guided_choice, "guided_regex": req.guided_regex, "guided_json": req.guided_json}
+    named = {name: name for name in guides}
     if req.structured_outputs:
         outputs = req.structured_outputs
-        if not isinstance(outputs, dict) or len(outputs) != 1 or not set(outputs) <= {"choice", "regex"}:
-            raise unsupported("structured_outputs", "only {\"choice\": [...]} or {\"regex\": \"...\"} is implemented")
-        choice, regex, param = outputs.get("choice"), outputs.get("regex"), "structured_outputs"
+        if not isinstance(outputs, dict) or len(outputs) != 1 or not set(outputs) <= {"choice", "regex", "json"}:
+            raise unsupported("structured_outputs",
+                              'only one of {"choice": [...]}, {"regex": "..."} or {"json": schema} is implemented')
+        (key, value), = outputs.items()
+        guides[f"guided_{key}"], named[f"guided_{key}"] = value, "structured_outputs"
+    schema = _response_format_schema(getattr(req, "response_format", None))
+    if schema is not None:
+        guides["guided_json"], named["guided_json"] = schema, "response_format"
+    choice = guides["guided_choice"]
     if choice is not None and (not isinstance(choice, list) or not choice
                                or any(not isinstance(c, str) or not c for c in choice)):
-        raise bad_request(f"{param or 'guided_choice'} must be a non-empty list of non-empty strings",
-                          param or "guided_choice")
-    if regex is not None:
-        try:
-            compile_regex(regex)
-        except ValueError as err:
-            raise bad_request(str(err), param or "guided_regex") from None
-    # with ignore_eos or min_tokens, or both set, SamplingParams refuses them (naming the field)
-    return tuple(choice or ()), regex
+        raise bad_request(f"{named['guided_choice']} must be a non-empty list of non-empty strings",
+                          named["guided_choice"])
+    guides["guided_choice"] = tuple(choice or ())
+    for name, check in (("guided_regex", compile_regex), ("guided_json", schema_regex)):
+        if guides[name] is not None:
+            try:
+                check(guides[name])
+            except ValueError as err:
+                raise bad_request(str(err), named[name]) from None
+    # with ignore_eos or min_tokens, or two guides, SamplingParams refuses them (naming the field)
+    return guides
+
+
+def _response_format_schema(response_format: Any) -> Any:
+    """OpenAI's response_format as a JSON Schema: None for text, any object for json_object, the given schema for
+    json_schema."""
+    if not response_format:
+        return None
+    if not isinstance(response_format, dict):
+        raise bad_request("response_format must be an object", "response_format")
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = response_format.get("json_schema")
+    if kind != "json_schema" or not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise bad_request('response_format must be {"type": "text" | "json_object"} or {"type": "json_schema", '
+                          '"json_schema": {"name": ..., "schema": {...}}}', "response_format")
+    return spec.get("schema", {})
 
 
 def _allowed_token_ids(allowed: list[int] | None, model: Any) -> tuple[int, ...] | None:

@@ -61,7 +61,8 @@ def test_guided_regex_refuses_what_would_keep_it_from_ending(kwargs, message):
 
 # a vocabulary over "ab01" for the brute-force oracle
 TOKENS = ["a", "b", "0", "1", "ab", "ba", "01", "b1", "aab", "10", "x"]  # "x" is in no pattern below
-ORACLE_PATTERNS = [r"(ab|ba)+[01]{1,3}", r"a?b{1,3}0?", r"(a|b)*1", r"(ab|b1)(0|10)?", r"[ab]{2}[01]*"]
+ORACLE_PATTERNS = [r"(ab|ba)+[01]{1,3}", r"a?b{1,3}0?", r"(a|b)*1", r"(ab|b1)(0|10)?", r"[ab]{2}[01]*",
+                   r"[ab0]*1", r"a[^1]*1"]  # the last two: most characters loop (`RegexGuide._moves_by_loop`)
 
 
 COMPLETIONS = ["".join(c) for n in range(5) for c in itertools.product("ab01", repeat=n)]

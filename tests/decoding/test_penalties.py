@@ -237,7 +237,7 @@ def test_token_rules_spell_bad_words_alone_and_after_a_space_and_choices_as_writ
     assert set(rules.choices) == {encode("yes"), encode("no")} and rules.ends == (2,)
     with pytest.raises(ValueError, match="need the engine's tokenizer"):
         token_rules(None, SamplingParams(bad_words=("x",)), {2})
-    with pytest.raises(ValueError, match="guided_choice and guided_regex need an end-of-sequence token"):
+    with pytest.raises(ValueError, match="needs an end-of-sequence token"):
         token_rules(tokenizer, SamplingParams(guided_choice=("x",)), set())
 
 

@@ -92,13 +92,21 @@ BAD = [
     (COMP, comp(presence_penalty=-7), 400, "presence_penalty"),
     (COMP, comp(model="nope"), 404, "model"),
     # vLLM's fields that would change the answer and are not implemented: refused, never ignored
-    (CHAT, chat(guided_json={"type": "object"}), 400, "guided_json"),
+    (CHAT, chat(guided_json={"type": "integer", "minimum": 1}), 400, "guided_json"),
+    (CHAT, chat(guided_json="{"), 400, "guided_json"),
+    (CHAT, chat(guided_grammar="root ::= 'a'"), 400, "guided_grammar"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}), 400,
+     "response_format"),
+    (CHAT, chat(response_format={"type": "yaml"}), 400, "response_format"),
+    (CHAT, chat(response_format={"type": "json_object"}, guided_regex="a"), 400, "guided_json"),
+    (COMP, comp(structured_outputs={"json": {"type": "object", "patternProperties": {}}}), 400,
+     "structured_outputs"),
     (CHAT, chat(guided_choice=[]), 400, "guided_choice"),
     (CHAT, chat(guided_choice=["yes", ""]), 400, "guided_choice"),
     (CHAT, chat(guided_choice="yes"), 400, "guided_choice"),
     (CHAT, chat(guided_choice=["yes", "no"], ignore_eos=True), 400, "guided_choice"),
     (COMP, comp(structured_outputs={"choice": [1]}), 400, "structured_outputs"),
-    (COMP, comp(structured_outputs={"json": {}}), 400, "structured_outputs"),
+    (COMP, comp(structured_outputs={"grammar": "x"}), 400, "structured_outputs"),
     (COMP, comp(guided_regex="[0-9"), 400, "guided_regex"),
     (COMP, comp(guided_regex="a(?=b)"), 400, "guided_regex"),
     (COMP, comp(guided_regex=7), 400, "guided_regex"),
@@ -215,7 +223,7 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "top_logprobs", "ignore_eos", "min_tokens", "speculative", "echo", "stop_token_ids", "logit_bias",
           "repetition_penalty", "min_p", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
           "add_generation_prompt", "continue_final_message", "prompt_logprobs", "allowed_token_ids", "bad_words",
-          "guided_choice", "guided_regex", "structured_outputs"]
+          "guided_choice", "guided_regex", "guided_json", "structured_outputs", "response_format"]
 # Plausible values mixed in, so the fuzz also reaches past the first validation error.
 plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3], ["a", "b"]]),
              "max_tokens": st.integers(-2, 6), "n": st.integers(0, 3), "temperature": st.floats(-1, 3),
@@ -225,7 +233,10 @@ plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3
              "min_p": st.floats(-0.5, 1.5), "repetition_penalty": st.floats(-1, 3),
              "truncate_prompt_tokens": st.integers(-3, 5), "continue_final_message": st.booleans(),
              "prompt_logprobs": st.integers(-1, 3), "allowed_token_ids": st.lists(st.integers(-1, 60), max_size=3),
-             "guided_regex": st.sampled_from(["[0-9]+", "(yes|no)", "a(?=b)", "[", "", "x{2,1}"])}
+             "guided_regex": st.sampled_from(["[0-9]+", "(yes|no)", "a(?=b)", "[", "", "x{2,1}"]),
+             "guided_json": st.sampled_from([{"type": "integer"}, {"enum": ["a", 1]}, {"minimum": 1}, "{", []]),
+             "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"},
+                                                 {"type": "json_schema", "json_schema": {"schema": {"type": "null"}}}])}
 
 
 @st.composite

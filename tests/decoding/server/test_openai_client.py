@@ -7,6 +7,7 @@ equals the library's own plain greedy decoding of the same input.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -128,3 +129,17 @@ def test_32_concurrent_streams_equal_sequential_greedy(clients, real_model):
         return texts
 
     assert asyncio.run(main()) == sequential
+
+
+def test_response_format_json_object_answers_one_json_object(clients):
+    """OpenAI's JSON mode through the official client: the answer parses as one object, Medusa or not."""
+    client, _ = clients
+    said = []
+    for speculative in (True, False):
+        ask = [{"role": "user", "content": "Give me a JSON object with a cat's name and age."}]
+        resp = client.chat.completions.create(model=SERVED_NAME, messages=ask, max_tokens=80, temperature=0,
+                                              response_format={"type": "json_object"},
+                                              extra_body={"speculative": speculative})
+        said.append(resp.choices[0].message.content)
+        assert isinstance(json.loads(said[-1]), dict) and resp.choices[0].finish_reason == "stop"
+    assert said[0] == said[1]

@@ -372,11 +372,34 @@ def test_guided_regex_answers_in_the_pattern(client):
     assert re.fullmatch(r" \d{3}-\d{4}", text), text
 
 
+def test_guided_json_answers_json_valid_under_the_schema(client):
+    """vLLM's guided_json, structured_outputs={"json": ...} and OpenAI's response_format json_schema: the answer
+    parses and fits the schema; Medusa trees and plain steps give the same one."""
+    auth = {"Authorization": "Bearer secret"}
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", 3]},
+                                               "note": {"type": "string", "maxLength": 8}},
+              "required": ["ok", "size"]}
+    said = set()
+    for extra in ({"guided_json": schema}, {"structured_outputs": {"json": schema}},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}):
+        for speculative in (True, False):
+            body = {"messages": MSG, "max_tokens": 60, "temperature": 0, "speculative": speculative, **extra}
+            resp = client.post("/v1/chat/completions", json=body, headers=auth)
+            assert resp.status_code == 200, resp.text
+            choice = resp.json()["choices"][0]
+            answer = json.loads(choice["message"]["content"])
+            assert isinstance(answer["ok"], bool) and answer["size"] in ("S", "M", 3) and set(answer) <= set(schema[
+                "properties"]) and len(answer.get("note", "")) <= 8 and choice["finish_reason"] == "stop"
+            said.add(choice["message"]["content"])
+    assert len(said) == 1
+
+
 def test_unserved_vllm_fields_at_their_defaults_are_accepted(client):
     """Clients built for vLLM send its fields at their defaults: those are served; set, they are refused
     (test_errors.BAD)."""
-    defaults = {"use_beam_search": False, "guided_json": None, "bad_words": [], "allowed_token_ids": None,
-                "structured_outputs": None, "logits_processors": None}
+    defaults = {"use_beam_search": False, "guided_json": None, "guided_grammar": None, "bad_words": [],
+                "allowed_token_ids": None, "structured_outputs": None, "logits_processors": None,
+                "response_format": {"type": "text"}}
     for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": MSG})):
         resp = client.post(path, json={**body, "max_tokens": 2, **defaults}, headers={"Authorization": "Bearer secret"})
         assert resp.status_code == 200, resp.text

@@ -1,0 +1,217 @@
+"""A JSON Schema as a regular expression, for guided decoding (`guided_json`, `response_format`).
+
+The output is one JSON text in a fixed layout: an object's properties in the
+schema's order, one optional space after ":" and ",", none elsewhere. Nesting
+is what a regex cannot count, so a schema-free value (`{}`, `json_object`)
+nests objects and arrays at most ANY_DEPTH deep; a schema's own nesting is
+followed as written (`$ref`s to `$defs` / `definitions` included, at most
+MAX_REF_DEPTH deep, so a recursive model is cut there).
+
+Supported: type (one or a list), properties / required (optional properties
+may be left out, order kept), additionalProperties false or absent, items,
+minItems / maxItems, enum, const, anyOf / oneOf, allOf of one schema,
+minLength / maxLength, pattern, format (date-time, date, time, uuid), $ref.
+Annotations (title, description, examples, default, ...) are ignored. Any other
+keyword (minimum, multipleOf, patternProperties, ...) would change which texts
+are valid, so it is refused with a ValueError naming it, not ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Any
+
+ANY_DEPTH = 3  # objects / arrays inside a schema-free value, at most this deep
+MAX_REF_DEPTH = 8
+SEP = " ?"  # after ":" and ","
+STRING_CHAR = r'([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+STRING = f'"{STRING_CHAR}*"'
+INTEGER = r"-?(0|[1-9][0-9]*)"
+NUMBER = INTEGER + r"(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+FORMATS = {"date-time": r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?(Z|[+-][0-9]{2}:[0-9]{2})",
+           "date": r"[0-9]{4}-[0-9]{2}-[0-9]{2}", "time": r"[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?",
+           "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"}
+ANNOTATIONS = {"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
+               "readOnly", "writeOnly", "$defs", "definitions", "strict"}
+KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
+            "anyOf", "oneOf", "allOf", "minLength", "maxLength", "pattern", "format", "$ref"}
+
+
+def schema_regex(schema: Any) -> str:
+    """The regex of JSON texts valid under `schema` (a dict, True, or a JSON string of one). ValueError, naming
+    guided_json and the keyword, for what is not supported."""
+    if isinstance(schema, str):
+        return _text_regex(schema)
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise ValueError(f"guided_json must be a JSON Schema object, got {type(schema).__name__}")
+    return _Converter(schema).value(schema, 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _text_regex(text: str) -> str:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"guided_json is not valid JSON: {err}") from None
+    if isinstance(schema, str):  # JSON text of a string, not of a schema
+        raise ValueError("guided_json must be a JSON Schema object, got a string")
+    return schema_regex(schema)
+
+
+def any_json_regex(depth: int = ANY_DEPTH) -> str:
+    """Any JSON value nesting objects and arrays at most `depth` deep."""
+    value = f"({STRING}|{NUMBER}|true|false|null)"
+    for _ in range(depth):
+        inner = value
+        value = (f"({STRING}|{NUMBER}|true|false|null|\\[({inner}(,{SEP}{inner})*)?\\]"
+                 f"|\\{{({STRING}:{SEP}{inner}(,{SEP}{STRING}:{SEP}{inner})*)?\\}})")
+    return value
+
+
+def any_object_regex(depth: int = ANY_DEPTH) -> str:
+    """Any JSON object (response_format json_object), its values nesting at most `depth - 1` deep."""
+    inner = any_json_regex(depth - 1)
+    return f"\\{{({STRING}:{SEP}{inner}(,{SEP}{STRING}:{SEP}{inner})*)?\\}}"
+
+
+class _Converter:
+    def __init__(self, root: dict) -> None:
+        self.root = root
+
+    def value(self, schema: Any, depth: int) -> str:
+        if schema is True or schema == {}:
+            return any_json_regex()
+        if schema is False or not isinstance(schema, dict):
+            raise ValueError(f"guided_json: a schema must be an object or true, got {schema!r}")
+        unknown = set(schema) - KEYWORDS - ANNOTATIONS
+        if unknown:
+            raise ValueError(f"guided_json: keyword {sorted(unknown)[0]!r} is not supported (supported: "
+                             f"{', '.join(sorted(KEYWORDS))})")
+        if "$ref" in schema:
+            return self.value(self._resolve(schema["$ref"], depth), depth + 1)
+        if "const" in schema:
+            return _literal(schema["const"])
+        if "enum" in schema:
+            if not isinstance(schema["enum"], list) or not schema["enum"]:
+                raise ValueError("guided_json: enum must be a non-empty list")
+            return "(" + "|".join(_literal(v) for v in schema["enum"]) + ")"
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                return "(" + "|".join(self.value(s, depth) for s in _schemas(schema[key], key)) + ")"
+        if "allOf" in schema:
+            parts = _schemas(schema["allOf"], "allOf")
+            if len(parts) != 1:
+                raise ValueError("guided_json: allOf is supported with one schema only")
+            return self.value(parts[0], depth)
+        kinds = schema.get("type", "object" if "properties" in schema else None)
+        if kinds is None:
+            return any_json_regex()
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        return "(" + "|".join(self._typed(schema, kind, depth) for kind in kinds) + ")"
+
+    def _typed(self, schema: dict, kind: str, depth: int) -> str:
+        if kind == "string":
+            return self._string(schema)
+        if kind == "integer":
+            return INTEGER
+        if kind == "number":
+            return NUMBER
+        if kind == "boolean":
+            return "(true|false)"
+        if kind == "null":
+            return "null"
+        if kind == "array":
+            return self._array(schema, depth)
+        if kind == "object":
+            return self._object(schema, depth)
+        raise ValueError(f"guided_json: unknown type {kind!r}")
+
+    def _string(self, schema: dict) -> str:
+        if "pattern" in schema:  # the whole string matches it (anchors or not)
+            pattern = schema["pattern"]
+            pattern = pattern[1:] if pattern.startswith("^") else pattern
+            pattern = pattern[:-1] if pattern.endswith("$") and not pattern.endswith("\\$") else pattern
+            return f'"({pattern})"'
+        if "format" in schema:
+            if schema["format"] not in FORMATS:
+                raise ValueError(f"guided_json: string format {schema['format']!r} is not supported (supported: "
+                                 f"{', '.join(FORMATS)})")
+            return f'"{FORMATS[schema["format"]]}"'
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        if low or high is not None:
+            return f'"{STRING_CHAR}{{{low},{"" if high is None else high}}}"'
+        return STRING
+
+    def _array(self, schema: dict, depth: int) -> str:
+        item = self.value(schema.get("items", True), depth)
+        low, high = schema.get("minItems", 0), schema.get("maxItems")
+        if high == 0:
+            return r"\[\]"
+        more = f"(,{SEP}{item}){{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
+        body = f"{item}{more}"
+        return f"\\[{body}\\]" if low else f"\\[({body})?\\]"
+
+    def _object(self, schema: dict, depth: int) -> str:
+        properties = schema.get("properties")
+        extra = schema.get("additionalProperties", False if properties else True)
+        if not properties:
+            if extra is False:
+                return r"\{\}"
+            return any_object_regex()
+        if extra not in (False, None) and properties:
+            raise ValueError("guided_json: additionalProperties beside properties is not supported (leave it out or "
+                             "set it false)")
+        required = set(schema.get("required", []))
+        unknown = required - set(properties)
+        if unknown:
+            raise ValueError(f"guided_json: required names {sorted(unknown)[0]!r}, which is not in properties")
+        fields = [(f'{_literal(name)}:{SEP}{self.value(sub, depth)}', name in required)
+                  for name, sub in properties.items()]
+        return r"\{" + _ordered(fields) + r"\}"
+
+    def _resolve(self, ref: str, depth: int) -> dict:
+        if depth >= MAX_REF_DEPTH:
+            raise ValueError(f"guided_json: $ref nests deeper than {MAX_REF_DEPTH} (a recursive schema?)")
+        match = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
+        target = self.root.get(match.group(1), {}).get(match.group(2)) if match else None
+        if target is None:
+            raise ValueError(f"guided_json: $ref {ref!r} does not name a schema in $defs or definitions")
+        return target
+
+
+def _ordered(fields: list[tuple[str, bool]]) -> str:
+    """Fields in order, separated by commas, the optional ones (required False) free to be left out."""
+    if not fields:
+        return ""
+    if all(required for _, required in fields):
+        return f",{SEP}".join(text for text, _ in fields)
+    # the text starts at the first field written: some optional ones, then a required one or the end
+    starts = []
+    for i, (text, required) in enumerate(fields):
+        rest = "".join(f"(,{SEP}{t})" + ("" if r else "?") for t, r in fields[i + 1:])
+        starts.append(text + rest)
+        if required:
+            break
+    else:
+        return "(" + "|".join(starts) + ")?"
+    return "(" + "|".join(starts) + ")"
+
+
+def _schemas(value: Any, key: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"guided_json: {key} must be a non-empty list of schemas")
+    return value
+
+
+def _literal(value: Any) -> str:
+    """A JSON value written compactly (", " and ": " as SEP allows), as a regex."""
+    if isinstance(value, dict):
+        items = [f"{_literal(k)}:{SEP}{_literal(v)}" for k, v in value.items()]
+        return r"\{" + f",{SEP}".join(items) + r"\}"
+    if isinstance(value, list):
+        return r"\[" + f",{SEP}".join(_literal(v) for v in value) + r"\]"
+    return re.escape(json.dumps(value, ensure_ascii=False))

@@ -1,0 +1,104 @@
+"""guided_json: a JSON Schema as a regex, checked with Python's `re` on texts valid and invalid under the schema,
+and on the engine (the default model answers valid JSON, with Medusa as without)."""
+
+import json
+import re
+
+import pytest
+
+from medusa.decoding.json_schema import any_json_regex, any_object_regex, schema_regex
+from medusa.decoding.regex_dfa import compile_regex
+from medusa.decoding.sampling_params import SamplingParams
+
+PERSON = {"title": "Person", "type": "object", "description": "pydantic writes these annotations",
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                         "email": {"type": ["string", "null"]}, "tags": {"type": "array", "items": {"type": "string"},
+                                                                         "minItems": 1, "maxItems": 2},
+                         "pet": {"$ref": "#/$defs/Pet"}},
+          "required": ["name", "age"], "$defs": {"Pet": {"type": "object", "properties": {
+              "kind": {"enum": ["cat", "dog", 3]}, "good": {"type": "boolean"}}, "required": ["kind", "good"]}}}
+CASES = [
+    (PERSON, ['{"name": "Ada", "age": 36}', '{"name":"Ada","age":-1,"email":null}',
+              '{"name": "A\\"da\\u00e9", "age": 0, "tags": ["x"], "pet": {"kind": "cat", "good": true}}',
+              '{"name": "Ada", "age": 3, "email": "a@b.c", "pet": {"kind": 3, "good": false}}'],
+     ['{"age": 36}', '{"age": 36, "name": "Ada"}', '{"name": "Ada", "age": 3.5}', '{"name": "Ada", "age": 01}',
+      '{"name": "Ada Lovelace Byron", "age": 1}',
+      '{"name": "Ada", "age": 1, "tags": []}',
+      '{"name": "Ada", "age": 1, "tags": ["a", "b", "c"]}', '{"name": "Ada", "age": 1, "pet": {"kind": "cow", '
+      '"good": true}}', '{"name": "Ada", "age": 1, "x": 2}', '{"name": "Ada",  "age": 1}', ' {"name": "a", "age": 1}']),
+    ({"type": "object", "properties": {"a": {"type": "number"}, "b": {"const": {"k": [1, "x"]}}}},
+     ['{}', '{"a": 1.5e-3}', '{"b": {"k": [1, "x"]}}', '{"a": -0, "b": {"k":[1,"x"]}}'],
+     ['{"b": 1, "a": 2}', '{"a": 1.}', '{"a": .5}', '{"b": {"k": [1]}}', '{,}']),
+    ({"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "string", "format": "date"}]}, "maxItems": 3},
+     ['[]', '[1, "2024-01-31", 3]'], ['[1, 2, 3, 4]', '["2024-1-31"]', '[1,]']),
+    ({"type": "string", "pattern": "^[A-Z]{2}-\\d+$"}, ['"AB-12"'], ['"ab-12"', '"AB-"', 'AB-1']),
+    ({"oneOf": [{"type": "boolean"}, {"type": "null"}]}, ["true", "null"], ["1", '"true"']),
+    (True, ['{"a": [1, {"b": null}]}', '"x"', '[[["deep"]]]', '-2.5E+7'], ['[[[["too deep"]]]]', '{a: 1}', 'nil']),
+]
+
+
+@pytest.mark.parametrize("schema, valid, invalid", CASES)
+def test_the_regex_matches_exactly_the_texts_the_schema_allows(schema, valid, invalid):
+    pattern = schema_regex(schema)
+    dfa = compile_regex(pattern)
+    for text in valid:
+        json.loads(text)  # the cases themselves are JSON
+        assert re.fullmatch(pattern, text), text
+        assert dfa.accepts(dfa.walk(dfa.start, text)), text
+    for text in invalid:
+        assert not re.fullmatch(pattern, text), text
+        assert not dfa.accepts(dfa.walk(dfa.start, text)), text
+    assert schema_regex(json.dumps(schema)) == pattern  # the same from the schema's JSON text
+
+
+def test_a_schema_free_object_nests_at_most_three_deep():
+    assert re.fullmatch(any_object_regex(), '{"a": {"b": {"c": 1}}, "d": []}')
+    assert not re.fullmatch(any_object_regex(), '{"a": {"b": {"c": {"d": 1}}}}')
+    assert not re.fullmatch(any_object_regex(), "[1]") and re.fullmatch(any_json_regex(), "[1]")
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "integer", "minimum": 3}, "keyword 'minimum' is not supported"),
+    ({"type": "string", "format": "email"}, "format 'email' is not supported"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required names 'b'"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, "additionalProperties"),
+    ({"$ref": "#/$defs/Nope"}, "does not name a schema"),
+    ({"$ref": "#/$defs/A", "$defs": {"A": {"type": "array", "items": {"$ref": "#/$defs/A"}}}}, "recursive"),
+    ({"type": "tuple"}, "unknown type 'tuple'"),
+    ({"enum": []}, "enum must be a non-empty list"),
+    ({"allOf": [{}, {}]}, "allOf is supported with one schema only"),
+    ("{not json", "not valid JSON"), ('"a string"', "must be a JSON Schema object"),
+    (3, "must be a JSON Schema object"),
+])
+def test_what_it_cannot_enforce_is_refused_naming_guided_json(schema, message):
+    with pytest.raises(ValueError, match=message):
+        schema_regex(schema)
+    with pytest.raises(ValueError, match="guided_json"):
+        SamplingParams(guided_json=schema)
+
+
+def test_sampling_params_keep_the_schema_as_json_text_and_take_one_guide():
+    params = SamplingParams(guided_json=PERSON)
+    assert json.loads(params.guided_json) == PERSON and params.guide_pattern == schema_regex(PERSON)
+    hash(params)
+    with pytest.raises(ValueError, match="guided_json and guided_choice cannot both be set"):
+        SamplingParams(guided_json=PERSON, guided_choice=("a",))
+
+
+@pytest.mark.slow
+def test_the_default_model_answers_valid_json_with_medusa_as_without(default_model_dir):
+    from engine_driver import without_policy
+    from medusa.medusa_model import MedusaModel
+
+    model = MedusaModel.from_pretrained(device="cpu")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+                                               "likes": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+              "required": ["name", "age", "likes"]}
+    prompt = model.encode([{"role": "user", "content": "Describe a cat called Tom as JSON."}])
+    params = SamplingParams(max_tokens=64, guided_json=schema)
+    medusa = without_policy(model.engine()).generate([prompt], params)[0]
+    plain = model.engine(speculative=False).generate([prompt], params)[0]
+    answer = json.loads(medusa.text)
+    assert set(answer) == {"name", "age", "likes"} and isinstance(answer["age"], int) and len(answer["likes"]) <= 3
+    assert medusa.finish_reason == "stop" and medusa.token_ids == plain.token_ids
+    assert medusa.stats.accepted_tokens > 0
