@@ -4,6 +4,7 @@ float32 so that greedy equality is exact (bf16 argmax ties depend on matmul shap
 """
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -359,3 +360,22 @@ def test_graph_engine_prompt_logprobs_equal_a_full_forwards(default_model_dir):
         # abs 0.1: the paged attention kernel's dots of fp32 inputs run in TF32 (Triton's default), which moved
         # these by up to 0.035 on the H200 (session 35); a row read from the wrong position is off by nats
         assert out.prompt_logprobs[0] is None and got == pytest.approx(want, abs=0.1)
+
+
+def test_graph_engine_guided_rows_write_plain_decodings_valid_json(default_model_dir):
+    """guided_json / guided_regex rows take the host path beside graph-replayed rows: their masks go to the device
+    every step, and greedy and seeded outputs equal plain decoding's, valid under the guide."""
+    model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
+    ask = lambda text: model.encode([{"role": "user", "content": text}])  # noqa: E731
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    prompts = [ask("Give me a JSON object with a cat's name and age."), ask("Give me a phone number."),
+               ask("Write a haiku about the sea.")]
+    params = [SamplingParams(max_tokens=48, guided_json=schema),
+              SamplingParams(max_tokens=24, temperature=0.9, seed=4, guided_regex=r"\(\d{3}\) \d{3}-\d{4}"),
+              SamplingParams(max_tokens=32)]
+    plain = model.engine(speculative=False).generate(prompts, params)
+    medusa = model.engine().generate(prompts, params)
+    assert [o.token_ids for o in medusa[:2]] == [o.token_ids for o in plain[:2]]  # the free row: near ties may flip
+    answer = json.loads(medusa[0].text)
+    assert set(answer) == {"name", "age"} and re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", medusa[1].text)

@@ -1,0 +1,107 @@
+"""Guided decoding (guided_json) with Medusa against plain decoding, on the default model and its heads.
+
+    python benchmarks/guided.py --out out/guided                      # GPU: 1, 8 and 32 concurrent requests
+    python benchmarks/guided.py --quick --out out/guided-quick        # CPU smoke run
+
+Spec-Bench first turns (spread over the 13 categories, as throughput.py takes them), each followed by an
+instruction to answer as a JSON object with an "answer" string and a "confidence" level, served under that
+schema (`SCHEMA`) and, for comparison, free. Each level is throughput.py's closed loop (`run_level`), plain
+and Medusa on their own engines, greedy, the faster of `--repeats` runs each. Guided rows take the engine's
+host path (a mask per tree node and step, from the node's own text), so the guided speedup shows what that
+path costs beside what the trees win.
+
+Also: the seconds the guide takes to build on its first request (the vocabulary's trie, then each state the
+answer reaches), against the same request once the guide is built. Writes results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from medusa.decoding import token_guide
+from medusa.decoding.sampling_params import SamplingParams
+from medusa.training.data import DATA_DIR
+from throughput import default_model, run_level, spread_order
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 600},
+                                           "confidence": {"enum": ["low", "medium", "high"]}},
+          "required": ["answer", "confidence"]}
+INSTRUCTION = ('\n\nAnswer with a JSON object: "answer" (your answer, a string) and "confidence" ("low", "medium" or '
+               '"high").')
+
+
+def fits(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(value, dict) and set(value) == {"answer", "confidence"} and value["confidence"] in SCHEMA[
+        "properties"]["confidence"]["enum"]
+
+
+def first_request_seconds(engine, prompt: list[int], params: SamplingParams) -> dict:
+    """One request with a cold guide (tries and guides dropped), then the same again with it built."""
+    token_guide._tries.clear()
+    token_guide._guides.clear()
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        engine.generate([prompt], params)
+        times.append(time.perf_counter() - start)
+    return {"cold_s": times[0], "warm_s": times[1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each level and mode; the fastest is kept")
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: 2 levels of a few short requests")
+    args = parser.parse_args()
+    gpu = torch.cuda.is_available() and not args.quick
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    if args.quick:
+        args.concurrency, args.max_tokens, args.repeats = [1, 2], 16, 1
+    model, _ = default_model(device, dtype, None)
+    rows = [json.loads(line) for line in (DATA_DIR / "spec_bench.jsonl").read_text().splitlines()]
+    engines = {"plain": model.engine(speculative=False), "medusa": model.engine()}
+    if gpu:
+        for engine in engines.values():
+            engine.warmup()
+    guided = SamplingParams(max_tokens=args.max_tokens, guided_json=SCHEMA)
+    free = SamplingParams(max_tokens=args.max_tokens)
+    spread = [rows[i] for i in spread_order(len(rows))]
+    asks = [model.encode([{"role": "user", "content": r["turns"][0] + INSTRUCTION}]) for r in spread]
+    result = {"device": torch.cuda.get_device_name() if gpu else "cpu", "schema": SCHEMA,
+              "first_request": first_request_seconds(engines["medusa"], asks[0], guided), "rows": []}
+    for concurrency in args.concurrency:
+        level = asks[:2 * concurrency if args.quick else max(8 * concurrency, 32)]
+        for name, params in (("guided", guided), ("free", free)):
+            # the faster of two runs each, alternating: a level's first Medusa run may capture graphs
+            runs = {mode: max((run_level(engine, level, params, concurrency) for _ in range(args.repeats)),
+                              key=lambda run: run["tok_s"]) for mode, engine in engines.items()}
+            texts = [o.text for o in engines["medusa"].generate(level[:8], params)] if name == "guided" else []
+            row = {"concurrency": concurrency, "params": name, "requests": len(level),
+                   "plain_tok_s": runs["plain"]["tok_s"], "medusa_tok_s": runs["medusa"]["tok_s"],
+                   "speedup": runs["medusa"]["tok_s"] / runs["plain"]["tok_s"],
+                   "mean_accepted_length": runs["medusa"]["mean_accepted_length"],
+                   "plain_ms_per_step": runs["plain"]["ms_per_step"],
+                   "medusa_ms_per_step": runs["medusa"]["ms_per_step"],
+                   "fits_schema": sum(map(fits, texts)) / len(texts) if texts else None}
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    print("first request (cold guide / warm): %.2f / %.2f s" % (result["first_request"]["cold_s"],
+                                                                 result["first_request"]["warm_s"]))
+
+
+if __name__ == "__main__":
+    main()
