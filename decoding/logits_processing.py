@@ -116,9 +116,8 @@ def _node_texts(output_ids: Sequence[int], tree: DeviceTree | None, candidates: 
     output = list(output_ids)
     if tree is None or num_nodes == 1:
         return [output]
-    mask, tokens, depths = tree.mask.tolist(), candidates.tolist(), tree.depths.tolist()
-    return [output + [tokens[j] for j in sorted((j for j in range(1, num_nodes) if mask[i][j]),
-                                                key=depths.__getitem__)] for i in range(num_nodes)]
+    tokens = candidates.tolist()
+    return [output + [tokens[j] for j in path] for path in tree.spec.node_paths[:num_nodes]]
 
 
 def _ban_bad_words(logits: torch.Tensor, words: Sequence[tuple[int, ...]], texts: list[list[int]]) -> None:
@@ -156,7 +155,7 @@ def _follow_guide(logits: torch.Tensor, rules: TokenRules, output_ids: Sequence[
         for token in path:
             state = guide.advance(state, token)
         states.append(state)
-    allowed = torch.stack([guide.allowed(state) for state in states]).to(logits.device)  # [N, V]
+    allowed = torch.stack([guide.allowed(state, logits.device) for state in states])  # [N, V]
     logits = logits.masked_fill(~allowed, float("-inf"))
     stuck = torch.isneginf(logits).all(-1).nonzero().squeeze(-1)
     if len(stuck):

@@ -83,7 +83,7 @@ class RegexGuide:
     def __init__(self, dfa: CharDFA, trie: VocabTrie, ends: Sequence[int]) -> None:
         self.dfa, self.trie, self.ends = dfa, trie, tuple(ends)
         self._next: dict[int, dict[int, int]] = {}  # state -> {allowed token: state after it}
-        self._masks: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     @classmethod
     def of(cls, dfa: CharDFA, tokenizer: Any, ends: Sequence[int]) -> RegexGuide:
@@ -102,17 +102,21 @@ class RegexGuide:
     def advance(self, state: int, token: int) -> int:
         return DEAD if state == DEAD else self._moves(state).get(token, DEAD)
 
-    def allowed(self, state: int) -> torch.Tensor:
-        """bool [V]: the tokens that keep the text matchable, and the ends where the text already matches.
-        A dead state (a text that left the pattern, which the guide never writes) allows the ends only."""
-        if state not in self._masks:
-            mask = torch.zeros(self.trie.vocab, dtype=torch.bool)
-            moves = self._moves(state) if state != DEAD else {}
-            mask[list(moves)] = True
-            if state == DEAD or self.dfa.accepts(state):
-                mask[list(self.ends)] = True
-            self._masks[state] = mask
-        return self._masks[state]
+    def allowed(self, state: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """bool [V] on `device`: the tokens that keep the text matchable, and the ends where the text already
+        matches. A dead state (a text that left the pattern, which the guide never writes) allows the ends only.
+        Kept per device, so a GPU step stacks masks already there instead of copying [N, V] every step."""
+        device = torch.device(device)
+        if (state, device) not in self._masks:
+            if (state, torch.device("cpu")) not in self._masks:
+                mask = torch.zeros(self.trie.vocab, dtype=torch.bool)
+                moves = self._moves(state) if state != DEAD else {}
+                mask[list(moves)] = True
+                if state == DEAD or self.dfa.accepts(state):
+                    mask[list(self.ends)] = True
+                self._masks[state, torch.device("cpu")] = mask
+            self._masks[state, device] = self._masks[state, torch.device("cpu")].to(device)
+        return self._masks[state, device]
 
     def _moves(self, state: int) -> dict[int, int]:
         if state not in self._next:

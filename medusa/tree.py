@@ -195,6 +195,14 @@ class TreeSpec:
         chain = list(range(1, self.lookup + 1))
         return torch.tensor([0] + [len(p) for p in self.paths] + chain, dtype=torch.long)
 
+    @cached_property
+    def node_paths(self) -> tuple[tuple[int, ...], ...]:
+        """Node i's path below the root, as node ids in depth order (i itself last; the root's is empty)."""
+        parents, paths = self.parents.tolist(), [()]
+        for i in range(1, self.num_nodes):  # parents precede children
+            paths.append(paths[parents[i]] + (i,))
+        return tuple(paths)
+
     @property
     def position_offsets(self) -> torch.Tensor:  # [N]: a node's position = root position + depth
         return self.depths

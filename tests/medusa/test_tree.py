@@ -278,3 +278,12 @@ def test_unknown_name_lists_available():
 def test_from_dict_rejects_unknown_keys():
     with pytest.raises(ValueError, match="pathz"):
         TreeSpec.from_dict({"name": "x", "pathz": [[0]]})
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_node_paths_are_the_masks_ancestors_below_the_root_in_depth_order(seed):
+    spec = random_tree(seed).with_lookup(3)
+    mask, depths = spec.attention_mask, spec.depths.tolist()
+    for i, path in enumerate(spec.node_paths):
+        assert set(path) == {j for j in range(1, spec.num_nodes) if mask[i, j]}
+        assert [depths[j] for j in path] == list(range(1, depths[i] + 1))
