@@ -51,6 +51,7 @@ def serve(args: argparse.Namespace) -> int:
     from medusa.decoding.kv_budget import auto_num_blocks
     from medusa.decoding.scheduler import SchedulerConfig
     from medusa.decoding.server.app import build_app
+    from medusa.decoding.token_guide import VocabTrie
     from medusa.default_model import DEFAULT_MODEL_NAME
     from medusa.medusa_model import MedusaModel
 
@@ -71,6 +72,7 @@ def serve(args: argparse.Namespace) -> int:
     num_blocks = args.num_kv_blocks or auto_num_blocks(
         model, args.gpu_memory_utilization / (2 if model.heads is not None else 1),  # plain + Medusa engines
         args.max_num_seqs, args.block_size)
+    VocabTrie.of(model.tokenizer)  # guided decoding's vocabulary trie (~1 s): now, not inside a request's step
     app = build_app(model, name, api_key=args.api_key, max_waiting=args.max_waiting,
                     engine_config=EngineConfig(num_blocks=num_blocks, block_size=args.block_size, scheduler=scheduler,
                                                prompt_lookup=model.prompt_lookup, apply_interval=args.apply_interval))
