@@ -168,6 +168,11 @@ class DecodeStep:
         # [B, M + D + 1 ...] from the host's output count on; a row's step picks its window at the device's
         # count, up to `steps_ahead` steps (each up to a tree's depth + 1 tokens) past the host's
         self.uniforms = torch.zeros(max_seqs, (steps_ahead + 1) * max_tree, dtype=torch.float64, device=self.device)
+        # guided rows' forced tokens (`RegexGuide.forced_tokens`), laid on the lookup chain in place of its n-gram
+        # proposals: [B, L] and [B] (0: the row keeps its proposals)
+        self.forced = torch.zeros(max_seqs, max(max_lookup, 1), **long)
+        self.forced_len = torch.zeros(max_seqs, **long)
+        self.forced_step = False  # whether the prepared step lays forced tokens (graphs of their own)
         self.sampling_step = GREEDY  # the prepared step's sampling kind (graphs of their own)
         self.propose_step = True  # whether the prepared step runs the heads for the next one
         self.kv_bound: int | None = None  # the prepared step's max_kv_len (`kv_len_bound`)
@@ -242,7 +247,7 @@ class DecodeStep:
 
     def prepare(self, seqs: list, rows: list[int], tree: DeviceTree, blocks: BlockManager,
                 sampling: list[RowSampling | None] | None = None, propose: bool = True,
-                prompts: PromptSegment | None = None) -> int:
+                prompts: PromptSegment | None = None, forced: list[tuple[int, ...]] | None = None) -> int:
         """Fill the input buffers for `seqs` (state rows `rows`; `sampling` per row, None = greedy);
         returns the padded batch size. A sequence's block table must back its committed tokens, the
         tokens of its steps in flight (`num_inflight_tokens`) and this tree's.
@@ -251,6 +256,7 @@ class DecodeStep:
         next step should then not speculate (it would stay correct, but accept little).
         prompts: uploaded prompt chunks to run in the same forward (their hidden states come back
         in `_Part1.prompt_hidden`); each (padded batch, tree, prompt bucket) is a graph of its own.
+        forced: per row, tokens to lay on the tree's lookup chain instead of its n-gram proposals (guided rows).
         """
         self.propose_step, self.prompts = propose, prompts
         if self._uploaded is not None:  # an overlapped step's upload may still be queued behind the step before
@@ -287,7 +293,19 @@ class DecodeStep:
         if self._uploaded is not None:
             self._uploaded.record()
         self._prepare_sampling(sampling or [], padded)
+        self._prepare_forced(forced or [], padded, tree.num_lookup)
         return padded
+
+    def _prepare_forced(self, forced: list[tuple[int, ...]], padded: int, lookup: int) -> None:
+        self.forced_step = lookup > 0 and any(forced)
+        if not self.forced_step:
+            return
+        tokens, lengths = np.zeros((padded, self.forced.shape[1]), dtype=np.int64), np.zeros(padded, dtype=np.int64)
+        for i, chain in enumerate(forced):
+            chain = chain[:lookup]
+            tokens[i, : len(chain)], lengths[i] = chain, len(chain)
+        upload(self.forced, tokens)
+        upload(self.forced_len, lengths)
 
     def _prepare_sampling(self, sampling: list[RowSampling | None], padded: int) -> None:
         drawn = [r for r in sampling if r is not None]
@@ -405,6 +423,10 @@ class DecodeStep:
                                      self.padding_row, self.scratch_slot, self.last_position,
                                      self.slots[: padded * n], self.kv_lens[:padded])
         lookup = ngram_lookup(self.history, self.history_len, rows, tree.num_lookup) if tree.num_lookup else None
+        if lookup is not None and self.forced_step:  # guided rows: the text their guide forces, spelled in tokens
+            chain = torch.arange(tree.num_lookup, device=self.device)[None]  # [1, L]
+            forced = self.forced[:padded, : tree.num_lookup]
+            lookup = torch.where(chain < self.forced_len[:padded, None], forced, lookup)
         # root, heads' proposals (their top-k [R, K, kmax] from the last step) and lookup chain: [Bp, N]
         candidates = gather_candidates(tree, rows, self.roots, self.topk if self.kmax else None, lookup)
         meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
@@ -477,7 +499,7 @@ class DecodeStep:
         """The graphs of one key, captured at first use; a graph of the tables' width also captures its
         short-context sibling (`kv_len_bound`) if it has one, so that warmup leaves none for the hot path."""
         prompt_tokens = prompts.num_tokens if prompts else 0
-        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, kv_bound, prompt_tokens)
+        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, kv_bound, self.forced_step, prompt_tokens)
         if key not in self._graphs:
             start = time.perf_counter()
             self._graphs[key] = self._capture(tree, padded, sampling, key[3], prompts, kv_bound=kv_bound)

@@ -355,6 +355,13 @@ class LLMEngine:
 
     # ---- overlapped steps -------------------------------------------------
 
+    @staticmethod
+    def _forced(request: EngineRequest, lookup: int) -> tuple[int, ...]:
+        """A guided row's forced text in tokens, for its lookup chain (its steps are never overlapped, so the
+        host has its output up to the pending root)."""
+        guide = request.rules.guide
+        return guide.forced_after(request.seq.output_token_ids, lookup) if guide is not None else ()
+
     def _can_overlap(self, seqs: list[Sequence]) -> bool:
         """A step whose rows the device decides alone: nothing the host must see first. The device
         knows each row's committed length, so the next step's tree goes in place before the host does."""
@@ -380,7 +387,8 @@ class LLMEngine:
         requests = [self.requests[seq.request_id] for seq in seqs]
         sampling = [self._row_sampling(r, tree) for r in requests]
         propose = self.policy.proposes(step.bucket(len(seqs)), tree.spec)
-        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose, prompts)
+        forced = [self._forced(r, tree.num_lookup) for r in requests] if tree.num_lookup else None
+        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose, prompts, forced)
         return requests, padded, propose, step.forward(tree, padded)
 
     def _catch_up(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0,

@@ -4,7 +4,9 @@
 `RegexGuide` walks that trie from a DFA state, pruning at the first dead
 character, so the tokens a state allows (and the state each leads to) cost one
 pass over the live part of the trie, made the first time the state is reached
-and kept. `GuideProgress` is a request's own cursor: the state after its output,
+and kept. Where every match goes on with the same text (a JSON key), it also
+spells that text in tokens, for the engine to propose on the lookup chain.
+`GuideProgress` is a request's own cursor: the state after its output,
 advanced by the tokens appended since the last step.
 
 A token's text is its bytes decoded as UTF-8 (byte-level tokenizers), or its
@@ -25,6 +27,7 @@ from medusa.decoding import byte_level
 from medusa.decoding.regex_dfa import DEAD, CharDFA
 
 _END = ""  # the trie key under which a node lists the token ids whose text ends there
+MAX_FORCED = 16  # forced tokens proposed at most (a lookup chain is shorter)
 _tries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> VocabTrie
 _guides: dict[tuple[int, str], RegexGuide] = {}  # (id(trie), pattern) -> guide; a few patterns live at once
 
@@ -83,6 +86,7 @@ class RegexGuide:
     def __init__(self, dfa: CharDFA, trie: VocabTrie, ends: Sequence[int]) -> None:
         self.dfa, self.trie, self.ends = dfa, trie, tuple(ends)
         self._next: dict[int, dict[int, int]] = {}  # state -> {allowed token: state after it}
+        self._forced: dict[int, tuple[int, ...]] = {}  # state -> the tokens proposed for its forced text
         self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     @classmethod
@@ -117,6 +121,44 @@ class RegexGuide:
                 self._masks[state, torch.device("cpu")] = mask
             self._masks[state, device] = self._masks[state, torch.device("cpu")].to(device)
         return self._masks[state, device]
+
+    def forced_tokens(self, state: int, limit: int) -> tuple[int, ...]:
+        """Up to `limit` tokens spelling the text every match must continue with from `state` (a JSON key and its
+        quotes, say), longest vocabulary entry first, each one the guide allows. Proposals for the lookup chain:
+        greedy or sampled, a row writes what its masked logits pick, so a different spelling only costs them."""
+        if state not in self._forced:
+            text, tokens, at = self._forced_text(state), [], state
+            while text and len(tokens) < MAX_FORCED:
+                token, length = self._longest_entry(text)
+                after = self.advance(at, token) if token is not None else DEAD
+                if after == DEAD:
+                    break
+                tokens.append(token)
+                text, at = text[length:], after
+            self._forced[state] = tuple(tokens)
+        return self._forced[state][:limit]
+
+    def _forced_text(self, state: int) -> str:
+        """The characters every match goes on with from `state`: while exactly one character keeps it alive and
+        the text so far does not match yet (a choice, or an end, would follow)."""
+        text, step = "", self.dfa.step
+        while state != DEAD and not self.dfa.accepts(state) and len(text) < 4 * MAX_FORCED:
+            live = [c for c in self.trie.alphabet if step(state, c) != DEAD]
+            if len(live) != 1:
+                break
+            text, state = text + live[0], step(state, live[0])
+        return text
+
+    def _longest_entry(self, text: str) -> tuple[int | None, int]:
+        """The vocabulary entry that is the longest prefix of `text` -> (token, its length); (None, 0) if none."""
+        node, best = self.trie.root, (None, 0)
+        for length, char in enumerate(text, 1):
+            node = node.get(char)
+            if node is None:
+                break
+            if _END in node:
+                best = (node[_END][0], length)
+        return best
 
     def _moves(self, state: int) -> dict[int, int]:
         if state not in self._next:
@@ -159,6 +201,10 @@ class GuideProgress:
     def __init__(self, guide: RegexGuide) -> None:
         self.guide = guide
         self._known, self._state = 0, guide.start
+
+    def forced_after(self, output_ids: Sequence[int], limit: int) -> tuple[int, ...]:
+        """`RegexGuide.forced_tokens` after the output."""
+        return self.guide.forced_tokens(self.state_after(output_ids), limit)
 
     def state_after(self, output_ids: Sequence[int]) -> int:
         if len(output_ids) < self._known:  # not this request's growing output: start over

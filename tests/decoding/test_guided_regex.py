@@ -203,3 +203,34 @@ def test_the_default_model_answers_in_the_pattern_with_medusa_as_without(default
     plain = model.engine(speculative=False).generate([prompt], params)[0]
     assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", medusa.text) and medusa.finish_reason == "stop"
     assert medusa.token_ids == plain.token_ids
+
+
+def test_forced_text_is_spelled_longest_entry_first_and_stops_where_matches_part():
+    guide = RegexGuide(compile_regex(r"aab(0|1)ab01(a|b)"), VocabTrie(TOKENS), [])
+    assert [TOKENS[t] for t in guide.forced_tokens(guide.start, 8)] == ["aab"]
+    assert guide.forced_tokens(guide.start, 0) == ()
+    after = guide.dfa.walk(guide.start, "aab1")
+    assert [TOKENS[t] for t in guide.forced_tokens(after, 8)] == ["ab", "01"]
+    assert guide.forced_tokens(guide.dfa.walk(guide.start, "aab"), 8) == ()  # 0 or 1: not forced
+    assert guide.forced_tokens(guide.dfa.walk(after, "ab01a"), 8) == ()  # whole: the end may follow
+
+
+def test_forced_tokens_on_the_lookup_chain_are_accepted_and_change_no_token(tiny, monkeypatch, overlap):
+    """A guided row's forced text rides the tree's lookup chain: fewer steps, the same tokens (greedy and seeded)."""
+    from medusa.decoding.engine import EngineConfig, LLMEngine
+
+    model, heads = tiny
+    spelled_by_tokens(monkeypatch)
+    pattern = r"aab(0|1)ab01(a|b)10ab(0|1)aab1"
+    engine = lambda: LLMEngine(model, heads, EngineConfig(num_blocks=128, block_size=4, prompt_lookup=4))  # noqa: E731
+    ps = random_prompts(4, VOCAB, 12, seed=5)
+    for params in (SamplingParams(max_tokens=16, guided_regex=pattern, stop_token_ids=(END,)),
+                   SamplingParams(max_tokens=16, guided_regex=pattern, stop_token_ids=(END,), temperature=1.0, seed=3)):
+        forced = engine().generate(ps, params)
+        with monkeypatch.context() as patched:
+            patched.setattr(RegexGuide, "forced_tokens", lambda self, state, limit: ())
+            free = engine().generate(ps, params)
+        assert [o.token_ids for o in forced] == [o.token_ids for o in free]
+        assert all(re.fullmatch(pattern, "".join(TOKENS[t] for t in o.token_ids)) for o in forced)
+        assert sum(o.stats.steps for o in forced) < sum(o.stats.steps for o in free)
+        assert sum(o.stats.accepted_from_lookup for o in forced) > sum(o.stats.accepted_from_lookup for o in free)
