@@ -5,10 +5,10 @@
 
 Spec-Bench first turns (spread over the 13 categories, as throughput.py takes them), each followed by an
 instruction to answer as a JSON object with an "answer" string and a "confidence" level, served under that
-schema (`SCHEMA`) and, for comparison, free. Each level is throughput.py's closed loop (`run_level`), plain
-and Medusa on their own engines, greedy, the faster of `--repeats` runs each. Guided rows take the engine's
-host path (a mask per tree node and step, from the node's own text), so the guided speedup shows what that
-path costs beside what the trees win.
+schema (`SCHEMA`), the same without the guide's forced text on the lookup chain, and free. Each level is
+throughput.py's closed loop (`run_level`), plain and Medusa on their own engines, greedy, the faster of
+`--repeats` runs each. Guided rows take the engine's host path (a mask per tree node and step, from the
+node's own text), so the guided speedup shows what that path costs beside what the trees win.
 
 Also: the seconds the guide takes to build on its first request (the vocabulary's trie, then each state the
 answer reaches), against the same request once the guide is built. Writes results.json.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -42,6 +43,18 @@ def fits(text: str) -> bool:
         return False
     return isinstance(value, dict) and set(value) == {"answer", "confidence"} and value["confidence"] in SCHEMA[
         "properties"]["confidence"]["enum"]
+
+
+@contextmanager
+def unforced(on: bool):
+    """Guided rows without their forced text on the lookup chain (`RegexGuide.forced_tokens`), to measure it."""
+    original = token_guide.RegexGuide.forced_tokens
+    if on:
+        token_guide.RegexGuide.forced_tokens = lambda self, state, limit: ()
+    try:
+        yield
+    finally:
+        token_guide.RegexGuide.forced_tokens = original
 
 
 def first_request_seconds(engine, prompt: list[int], params: SamplingParams) -> dict:
@@ -82,11 +95,12 @@ def main() -> None:
               "first_request": first_request_seconds(engines["medusa"], asks[0], guided), "rows": []}
     for concurrency in args.concurrency:
         level = asks[:2 * concurrency if args.quick else max(8 * concurrency, 32)]
-        for name, params in (("guided", guided), ("free", free)):
-            # the faster of two runs each, alternating: a level's first Medusa run may capture graphs
-            runs = {mode: max((run_level(engine, level, params, concurrency) for _ in range(args.repeats)),
-                              key=lambda run: run["tok_s"]) for mode, engine in engines.items()}
-            texts = [o.text for o in engines["medusa"].generate(level[:8], params)] if name == "guided" else []
+        for name, params in (("guided", guided), ("guided, no forced text", guided), ("free", free)):
+            # the faster of two runs each: a level's first Medusa run may capture graphs
+            with unforced(name.endswith("no forced text")):
+                runs = {mode: max((run_level(engine, level, params, concurrency) for _ in range(args.repeats)),
+                                  key=lambda run: run["tok_s"]) for mode, engine in engines.items()}
+            texts = [o.text for o in engines["medusa"].generate(level[:8], params)] if params is guided else []
             row = {"concurrency": concurrency, "params": name, "requests": len(level),
                    "plain_tok_s": runs["plain"]["tok_s"], "medusa_tok_s": runs["medusa"]["tok_s"],
                    "speedup": runs["medusa"]["tok_s"] / runs["plain"]["tok_s"],
