@@ -112,8 +112,8 @@ class SamplingParams:
         self.sampling()  # validates temperature, top_p, top_k
 
     def _check_token_limits(self) -> None:
-        """allowed_token_ids, bad_words, guided_choice and guided_regex: checked, the lists kept as sorted / plain
-        tuples."""
+        """allowed_token_ids, bad_words and the guides (guided_choice, guided_regex, guided_json): checked, the lists
+        kept as sorted / plain tuples, a schema as its JSON text."""
         if self.allowed_token_ids is not None:
             allowed = [None] if isinstance(self.allowed_token_ids, (str, bytes)) else list(self.allowed_token_ids)
             if not allowed or any(not _is_int(t) or t < 0 for t in allowed):
@@ -144,13 +144,16 @@ class SamplingParams:
     def guide_pattern(self) -> str | None:
         """The regex guided_regex or guided_json holds the output's text to (ValueError, naming the field, for one
         that cannot be followed)."""
-        if self.guided_json is not None:
-            pattern = schema_regex(self.guided_json)
-        elif self.guided_regex is not None:
-            pattern = self.guided_regex
-        else:
+        if self.guided_regex is not None:
+            compile_regex(self.guided_regex)
+            return self.guided_regex
+        if self.guided_json is None:
             return None
-        compile_regex(pattern)
+        pattern = schema_regex(self.guided_json)
+        try:
+            compile_regex(pattern)
+        except ValueError as err:  # a string "pattern" the regex compiler cannot follow
+            raise ValueError(f"guided_json: a pattern in the schema cannot be followed ({err})") from None
         return pattern
 
     @property

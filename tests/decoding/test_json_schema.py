@@ -77,6 +77,11 @@ def test_what_it_cannot_enforce_is_refused_naming_guided_json(schema, message):
         SamplingParams(guided_json=schema)
 
 
+def test_a_schema_pattern_the_regex_compiler_cannot_follow_is_refused_naming_guided_json():
+    with pytest.raises(ValueError, match="guided_json: a pattern in the schema cannot be followed"):
+        SamplingParams(guided_json={"type": "string", "pattern": "a(?=b)"})
+
+
 def test_sampling_params_keep_the_schema_as_json_text_and_take_one_guide():
     params = SamplingParams(guided_json=PERSON)
     assert json.loads(params.guided_json) == PERSON and params.guide_pattern == schema_regex(PERSON)
