@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.outputs import TokenLogprob
@@ -155,7 +156,9 @@ def _follow_guide(logits: torch.Tensor, rules: TokenRules, output_ids: Sequence[
         for token in path:
             state = guide.advance(state, token)
         states.append(state)
-    allowed = torch.stack([guide.allowed(state, logits.device) for state in states])  # [N, V]
+    allowed = torch.stack([guide.allowed(state, logits.device) for state in states])  # [N, tokenizer's V]
+    vocab = logits.shape[-1]  # the model's rows past the tokenizer's (padding) are never allowed
+    allowed = allowed[:, :vocab] if allowed.shape[1] >= vocab else F.pad(allowed, (0, vocab - allowed.shape[1]))
     logits = logits.masked_fill(~allowed, float("-inf"))
     stuck = torch.isneginf(logits).all(-1).nonzero().squeeze(-1)
     if len(stuck):

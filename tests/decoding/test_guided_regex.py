@@ -234,3 +234,15 @@ def test_forced_tokens_on_the_lookup_chain_are_accepted_and_change_no_token(tiny
         assert all(re.fullmatch(pattern, "".join(TOKENS[t] for t in o.token_ids)) for o in forced)
         assert sum(o.stats.steps for o in forced) < sum(o.stats.steps for o in free)
         assert sum(o.stats.accepted_from_lookup for o in forced) > sum(o.stats.accepted_from_lookup for o in free)
+
+
+def test_a_model_vocabulary_padded_past_the_tokenizers_never_writes_the_padding():
+    from medusa.decoding.logits_processing import penalize
+
+    guide = RegexGuide(compile_regex(r"(ab)+"), VocabTrie(TOKENS), [3])
+    rules = TokenRules(ends=(3,), guide=GuideProgress(guide))
+    logits = torch.zeros(1, len(TOKENS) + 5)
+    logits[0, len(TOKENS):] = 9.0  # padding rows the tokenizer has no token for
+    masked = penalize(SamplingParams(guided_regex=r"(ab)+"), [4], logits, rules=rules)
+    assert masked.shape == logits.shape and torch.isneginf(masked[0, len(TOKENS):]).all()
+    assert set(torch.isfinite(masked[0]).nonzero().flatten().tolist()) == {0, 4, 3}  # "a", "ab", the end
