@@ -254,6 +254,10 @@ class CharDFA:
         self._moves: list[dict[str, int]] = []
         self.start = self._intern(self._closure([first]))
 
+    def char_sets(self) -> list[CharSet]:
+        """The distinct character sets of the NFA's edges: two characters in the same ones move the DFA alike."""
+        return list(dict.fromkeys(edge[0] for edge in self._nfa.edge if edge is not None))
+
     def step(self, state: int, char: str) -> int:
         moves = self._moves[state]
         target = moves.get(char)

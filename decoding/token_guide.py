@@ -1,10 +1,10 @@
 """Which tokens keep a guided output matchable: a regex's character DFA lifted to the tokenizer's vocabulary.
 
 `VocabTrie` holds every token's text in a character trie, once per tokenizer.
-`RegexGuide` walks that trie from a DFA state, pruning at the first dead
-character, so the tokens a state allows (and the state each leads to) cost one
-pass over the live part of the trie, made the first time the state is reached
-and kept. Where every match goes on with the same text (a JSON key), it also
+`RegexGuide` walks every token's text from a DFA state at once (numpy, over
+character classes: `_ClassWalk`), so the tokens a state allows and the state
+each leads to cost a few numpy passes, made the first time the state is
+reached and kept. Where every match goes on with the same text (a JSON key), it also
 spells that text in tokens, for the engine to propose on the lookup chain.
 `GuideProgress` is a request's own cursor: the state after its output,
 advanced by the tokens appended since the last step.
@@ -18,9 +18,9 @@ under a guide: characters a tokenizer splits across tokens cannot be written.
 from __future__ import annotations
 
 import weakref
-from collections import Counter
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from medusa.decoding import byte_level
@@ -39,9 +39,9 @@ class VocabTrie:
     def __init__(self, texts: Sequence[str | None]) -> None:
         self.vocab = len(texts)
         self.root: dict = {}
-        self.tokens = [(token, text, frozenset(text)) for token, text in enumerate(texts) if text]
-        self.alphabet = sorted(set().union(*(chars for _, _, chars in self.tokens)))
-        for token, text, _ in self.tokens:
+        self.tokens = [(token, text) for token, text in enumerate(texts) if text]
+        self.alphabet = sorted(set().union(*(text for _, text in self.tokens)))
+        for token, text in self.tokens:
             node = self.root
             for char in text:
                 node = node.setdefault(char, {})
@@ -85,7 +85,8 @@ class RegexGuide:
 
     def __init__(self, dfa: CharDFA, trie: VocabTrie, ends: Sequence[int]) -> None:
         self.dfa, self.trie, self.ends = dfa, trie, tuple(ends)
-        self._next: dict[int, dict[int, int]] = {}  # state -> {allowed token: state after it}
+        self._walk = _ClassWalk(dfa, trie)
+        self._next: dict[int, np.ndarray] = {}  # state -> [V] the state after each token (DEAD: not allowed)
         self._forced: dict[int, tuple[int, ...]] = {}  # state -> the tokens proposed for its forced text
         self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -104,7 +105,7 @@ class RegexGuide:
         return self.dfa.start
 
     def advance(self, state: int, token: int) -> int:
-        return DEAD if state == DEAD else self._moves(state).get(token, DEAD)
+        return DEAD if state == DEAD or token >= self.trie.vocab else int(self._moves(state)[token])
 
     def allowed(self, state: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """bool [V] on `device`: the tokens that keep the text matchable, and the ends where the text already
@@ -114,8 +115,8 @@ class RegexGuide:
         if (state, device) not in self._masks:
             if (state, torch.device("cpu")) not in self._masks:
                 mask = torch.zeros(self.trie.vocab, dtype=torch.bool)
-                moves = self._moves(state) if state != DEAD else {}
-                mask[list(moves)] = True
+                if state != DEAD:
+                    mask = torch.from_numpy(self._moves(state) != DEAD)
                 if state == DEAD or self.dfa.accepts(state):
                     mask[list(self.ends)] = True
                 self._masks[state, torch.device("cpu")] = mask
@@ -160,38 +161,76 @@ class RegexGuide:
                 best = (node[_END][0], length)
         return best
 
-    def _moves(self, state: int) -> dict[int, int]:
+    def _moves(self, state: int) -> np.ndarray:
+        """[V] the state each token leads to from `state` (DEAD: not allowed), all walked at once (`_ClassWalk`)."""
         if state not in self._next:
-            firsts = {c: self.dfa.step(state, c) for c in self.trie.alphabet}
-            common = Counter(firsts.values()).most_common(1)[0][0]
-            wide = common != DEAD and sum(t == common for t in firsts.values()) > len(firsts) // 2
-            self._next[state] = self._moves_by_loop(state, firsts, common) if wide else self._moves_by_trie(state)
+            self._next[state] = self._walk.run(state, self.trie.vocab)
         return self._next[state]
 
-    def _moves_by_trie(self, state: int) -> dict[int, int]:
-        """Walk the trie from `state`, pruning at the first dead character: cheap where few tokens live."""
-        moves, stack, step = {}, [(self.trie.root, state)], self.dfa.step
-        while stack:
-            node, at = stack.pop()
-            for char, child in node.items():
-                if char == _END:
-                    moves.update(dict.fromkeys(child, at))
-                elif (after := step(at, char)) != DEAD:
-                    stack.append((child, after))
-        return moves
 
-    def _moves_by_loop(self, state: int, firsts: dict[str, int], common: int) -> dict[int, int]:
-        """A state where most characters lead to one state `common` that loops on them (inside a JSON string, say),
-        so most tokens live and the trie would visit every node: a token whose first character leads there and
-        whose every character loops there ends there; only the others are walked."""
-        loop = frozenset(c for c in self.trie.alphabet if firsts[c] == common and self.dfa.step(common, c) == common)
-        moves, walk = {}, self.dfa.walk
-        for token, text, chars in self.trie.tokens:
-            if chars <= loop:
-                moves[token] = common
-            elif (after := walk(state, text)) != DEAD:
-                moves[token] = after
-        return moves
+class _ClassWalk:
+    """Every token's text walked through the DFA from one state at once, in numpy: texts as rows of character
+    classes (characters the pattern's sets cannot tell apart share one, ~30 for a JSON schema), one pass per
+    character position, the DFA's moves by class in a table filled on first use. A state costs about the same
+    whether few tokens live in it or most do (inside a JSON string, counted by maxLength or not)."""
+
+    def __init__(self, dfa: CharDFA, trie: VocabTrie) -> None:
+        self.dfa = dfa
+        sets = dfa.char_sets()
+        ids: dict[tuple[bool, ...], int] = {}
+        class_of, self.chars = {}, []  # char -> class; class -> a character of it
+        for char in trie.alphabet:
+            signature = tuple(char in s for s in sets)
+            if signature not in ids:
+                ids[signature] = len(self.chars)
+                self.chars.append(char)
+            class_of[char] = ids[signature]
+        order = sorted(trie.tokens, key=lambda entry: -len(entry[1]))  # longest first: a position's walkers lead
+        self.tokens = np.array([token for token, _ in order], dtype=np.int64)
+        lengths = np.array([len(text) for _, text in order], dtype=np.int64)
+        self.walkers = [int((lengths > at).sum()) for at in range(int(lengths.max(initial=0)))]  # per position
+        self.classes = np.zeros((len(order), len(self.walkers)), dtype=np.int64)  # [T, longest text]
+        for row, (_, text) in enumerate(order):
+            self.classes[row, : len(text)] = [class_of[char] for char in text]
+        self.table = np.full((64, len(self.chars)), -2, dtype=np.int64)  # [state + 1, class] -> state; -2 unknown
+        self.table[0] = DEAD  # row 0 is DEAD's: it stays dead
+
+    def run(self, state: int, vocab: int) -> np.ndarray:
+        """[vocab] the state each token reaches from `state` (DEAD for those that leave the pattern)."""
+        self._fit(state + 1)
+        reached = np.full(vocab, DEAD, dtype=np.int64)
+        walking = np.arange(len(self.tokens))  # rows still walking, longest first
+        states = np.full(len(walking), state, dtype=np.int64)
+        for at, count in enumerate(self.walkers):
+            done = walking >= count  # texts of `at` characters end here
+            reached[self.tokens[walking[done]]] = states[done]
+            walking, states = walking[~done], states[~done]
+            states = self._moves(states + 1, self.classes[walking, at])
+            alive = states != DEAD  # most tokens leave a narrow state at their first character
+            walking, states = walking[alive], states[alive]
+            if not len(walking):
+                break
+        reached[self.tokens[walking]] = states
+        return reached
+
+    def _moves(self, rows: np.ndarray, classes: np.ndarray) -> np.ndarray:
+        moved = self.table[rows, classes]
+        unknown = moved == -2
+        if unknown.any():
+            width = len(self.chars)
+            for key in np.unique(rows[unknown] * width + classes[unknown]).tolist():
+                row, char_class = divmod(key, width)
+                target = self.dfa.step(row - 1, self.chars[char_class])
+                self._fit(target + 1)
+                self.table[row, char_class] = target
+            moved = self.table[rows, classes]
+        return moved
+
+    def _fit(self, row: int) -> None:
+        if row >= len(self.table):
+            grown = np.full((2 * row, self.table.shape[1]), -2, dtype=np.int64)
+            grown[: len(self.table)] = self.table
+            self.table = grown
 
 
 class GuideProgress:
