@@ -159,27 +159,36 @@ class MedusaModel:
                  max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False,
                  speculative: bool = True, tree: TreeSpec | str | None = None, acceptance: str = "auto",
-                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, min_p: float = 0.0):
+                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, min_p: float = 0.0,
+                 guided_regex: str | None = None, guided_json: dict | str | None = None,
+                 guided_choice: Sequence[str] | None = None):
         """Generate from a prompt string, chat messages, or token ids.
 
         Greedy (temperature 0) output is identical to plain greedy decoding;
         sampling is lossless unless acceptance="typical". A list of prompt
         strings returns a list of results. With stream=True, returns a
-        GenerationStream of text deltas.
+        GenerationStream of text deltas. guided_regex / guided_json (a JSON
+        Schema) / guided_choice hold the answer to a pattern, a schema or one of
+        the strings (vLLM's; on the engine, whatever the device).
         """
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        guides = dict(guided_regex=guided_regex, guided_json=guided_json, guided_choice=tuple(guided_choice or ()))
+        guided = guided_regex is not None or guided_json is not None or bool(guided_choice)
         if _is_prompt_list(inputs):
             if stream or tree is not None or acceptance != "auto":
                 raise ValueError("a list of prompts runs on the batching engine, which streams per request, picks "
                                  "its own tree per step and uses the lossless rule: pass one prompt for "
                                  "stream=, tree= or acceptance=")
             params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    seed=seed, stop=tuple(stops), min_p=min_p)
+                                    seed=seed, stop=tuple(stops), min_p=min_p, **guides)
             return self._generate_batch(list(inputs), params, speculative)
+        if guided and (tree is not None or acceptance != "auto"):
+            raise ValueError("guided decoding runs on the batching engine, which picks its own tree per step and "
+                             "uses the lossless rule: leave tree= and acceptance= out")
         prompt_ids = self.encode(inputs)
-        if self._on_engine(tree, acceptance):
+        if guided or self._on_engine(tree, acceptance):
             params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    seed=seed, stop=tuple(stops), min_p=min_p)
+                                    seed=seed, stop=tuple(stops), min_p=min_p, **guides)
             chunks = self._run_engine(prompt_ids, params, speculative)
             return _finish(chunks, stream)
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)

@@ -149,3 +149,23 @@ def test_the_tree_measured_here_is_gated_and_a_pinned_one_is_not(model, monkeypa
     assert model._pinned("tree-4") and model._pinned(TreeSpec.load("tree-4"))
     monkeypatch.setattr(model, "_tree_choice", "tree-8")
     assert model._pinned(None)
+
+
+def test_guided_generation_answers_in_the_pattern_or_schema(model):
+    """guided_regex / guided_json / guided_choice run on the engine (even with a tree pinned at load time)."""
+    import json
+    import re
+
+    phone = model.generate("Give me a phone number.", max_new_tokens=24, guided_regex=r"\(\d{3}\) \d{3}-\d{4}")
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", phone.text) and phone.finish_reason == "stop"
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    cat = model.generate("Give me a JSON object with a cat's name and age.", max_new_tokens=48, guided_json=schema)
+    assert set(json.loads(cat.text)) == {"name", "age"}
+    plain = model.generate("Give me a phone number.", max_new_tokens=24, guided_regex=r"\(\d{3}\) \d{3}-\d{4}",
+                           speculative=False)
+    assert plain.token_ids == phone.token_ids
+    [yes_no] = model.generate(["Is the sea salty?"], max_new_tokens=4, guided_choice=["Yes", "No"])
+    assert yes_no.text in ("Yes", "No")
+    with pytest.raises(ValueError, match="leave tree= and acceptance= out"):
+        model.generate("Hi", guided_regex="a+", tree="tree-4")
