@@ -28,6 +28,8 @@ from medusa.decoding.regex_dfa import DEAD, CharDFA
 
 _END = ""  # the trie key under which a node lists the token ids whose text ends there
 MAX_FORCED = 16  # forced tokens proposed at most (a lookup chain is shorter)
+MAX_STATES = 1024  # DFA states a guide keeps the moves and masks of (a string under maxLength: a state a character)
+MAX_GUIDES = 16  # patterns whose guides are kept
 _tries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> VocabTrie
 _guides: dict[tuple[int, str], RegexGuide] = {}  # (id(trie), pattern) -> guide; a few patterns live at once
 
@@ -95,7 +97,7 @@ class RegexGuide:
         trie = VocabTrie.of(tokenizer)
         key = (id(trie), dfa.pattern, tuple(ends))
         if key not in _guides:
-            if len(_guides) >= 32:
+            if len(_guides) >= MAX_GUIDES:
                 _guides.pop(next(iter(_guides)))
             _guides[key] = cls(dfa, trie, ends)
         return _guides[key]
@@ -162,8 +164,14 @@ class RegexGuide:
         return best
 
     def _moves(self, state: int) -> np.ndarray:
-        """[V] the state each token leads to from `state` (DEAD: not allowed), all walked at once (`_ClassWalk`)."""
+        """[V] the state each token leads to from `state` (DEAD: not allowed), all walked at once (`_ClassWalk`).
+        At most MAX_STATES kept (200 KB each for a 49k vocabulary), the oldest dropped first."""
         if state not in self._next:
+            if len(self._next) >= MAX_STATES:
+                oldest = next(iter(self._next))
+                del self._next[oldest]
+                for key in [key for key in self._masks if key[0] == oldest]:
+                    del self._masks[key]
             self._next[state] = self._walk.run(state, self.trie.vocab)
         return self._next[state]
 
@@ -189,23 +197,25 @@ class _ClassWalk:
         self.tokens = np.array([token for token, _ in order], dtype=np.int64)
         lengths = np.array([len(text) for _, text in order], dtype=np.int64)
         self.walkers = [int((lengths > at).sum()) for at in range(int(lengths.max(initial=0)))]  # per position
-        self.classes = np.zeros((len(order), len(self.walkers)), dtype=np.int64)  # [T, longest text]
+        # column `at`: the class of character `at` of each text that long (ragged: 0.3 M entries, not T x 81)
+        self.columns = [np.empty(count, dtype=np.int16) for count in self.walkers]
         for row, (_, text) in enumerate(order):
-            self.classes[row, : len(text)] = [class_of[char] for char in text]
+            for at, char in enumerate(text):
+                self.columns[at][row] = class_of[char]
         self.table = np.full((64, len(self.chars)), -2, dtype=np.int64)  # [state + 1, class] -> state; -2 unknown
         self.table[0] = DEAD  # row 0 is DEAD's: it stays dead
 
     def run(self, state: int, vocab: int) -> np.ndarray:
         """[vocab] the state each token reaches from `state` (DEAD for those that leave the pattern)."""
         self._fit(state + 1)
-        reached = np.full(vocab, DEAD, dtype=np.int64)
+        reached = np.full(vocab, DEAD, dtype=np.int32)
         walking = np.arange(len(self.tokens))  # rows still walking, longest first
         states = np.full(len(walking), state, dtype=np.int64)
         for at, count in enumerate(self.walkers):
             done = walking >= count  # texts of `at` characters end here
             reached[self.tokens[walking[done]]] = states[done]
             walking, states = walking[~done], states[~done]
-            states = self._moves(states + 1, self.classes[walking, at])
+            states = self._moves(states + 1, self.columns[at][walking])
             alive = states != DEAD  # most tokens leave a narrow state at their first character
             walking, states = walking[alive], states[alive]
             if not len(walking):

@@ -246,3 +246,17 @@ def test_a_model_vocabulary_padded_past_the_tokenizers_never_writes_the_padding(
     masked = penalize(SamplingParams(guided_regex=r"(ab)+"), [4], logits, rules=rules)
     assert masked.shape == logits.shape and torch.isneginf(masked[0, len(TOKENS):]).all()
     assert set(torch.isfinite(masked[0]).nonzero().flatten().tolist()) == {0, 4, 3}  # "a", "ab", the end
+
+
+def test_a_guide_that_drops_old_states_gives_the_same_moves(monkeypatch):
+    import medusa.decoding.token_guide as token_guide
+
+    pattern, texts = r"(ab|ba){1,3}[01]{1,2}", ["", "ab", "abba", "abbaab", "abba0", "ba01"]
+    kept = RegexGuide(compile_regex(pattern), VocabTrie(TOKENS), [])
+    want = [kept.allowed(kept.dfa.walk(kept.start, text)) for text in texts]
+    assert len(kept._next) == len(texts)
+    monkeypatch.setattr(token_guide, "MAX_STATES", 2)
+    dropping = RegexGuide(compile_regex(pattern), VocabTrie(TOKENS), [])
+    for text, mask in zip(texts * 2, want * 2):
+        assert torch.equal(dropping.allowed(dropping.dfa.walk(dropping.start, text)), mask), text
+    assert len(dropping._next) <= 2
