@@ -47,9 +47,6 @@ class TokenRules:
     ends: tuple[int, ...] = ()
     guide: GuideProgress | None = None  # guided_regex: a cursor in the pattern's token guide (one per sequence)
 
-    def __bool__(self) -> bool:
-        return bool(self.bad_words or self.choices or self.guide)
-
     def for_sequence(self) -> TokenRules:
         """The rules for one more sequence of the request (n > 1): its own guide cursor, the rest shared."""
         return self if self.guide is None else replace(self, guide=GuideProgress(self.guide.guide))

@@ -172,24 +172,25 @@ class MedusaModel:
         the strings (vLLM's; on the engine, whatever the device).
         """
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        guides = dict(guided_regex=guided_regex, guided_json=guided_json, guided_choice=tuple(guided_choice or ()))
         guided = guided_regex is not None or guided_json is not None or bool(guided_choice)
+
+        def engine_params() -> SamplingParams:  # the batch-1 decoder checks its own settings, with its own names
+            return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  seed=seed, stop=tuple(stops), min_p=min_p, guided_regex=guided_regex,
+                                  guided_json=guided_json, guided_choice=tuple(guided_choice or ()))
+
         if _is_prompt_list(inputs):
             if stream or tree is not None or acceptance != "auto":
                 raise ValueError("a list of prompts runs on the batching engine, which streams per request, picks "
                                  "its own tree per step and uses the lossless rule: pass one prompt for "
                                  "stream=, tree= or acceptance=")
-            params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    seed=seed, stop=tuple(stops), min_p=min_p, **guides)
-            return self._generate_batch(list(inputs), params, speculative)
+            return self._generate_batch(list(inputs), engine_params(), speculative)
         if guided and (tree is not None or acceptance != "auto"):
             raise ValueError("guided decoding runs on the batching engine, which picks its own tree per step and "
                              "uses the lossless rule: leave tree= and acceptance= out")
         prompt_ids = self.encode(inputs)
         if guided or self._on_engine(tree, acceptance):
-            params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    seed=seed, stop=tuple(stops), min_p=min_p, **guides)
-            chunks = self._run_engine(prompt_ids, params, speculative)
+            chunks = self._run_engine(prompt_ids, engine_params(), speculative)
             return _finish(chunks, stream)
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
         accept = AcceptanceConfig(rule=acceptance, posterior_threshold=posterior_threshold,
