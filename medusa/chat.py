@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # kept for the template: an assistant's calls, a tool's answer
 
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
-    """Check an OpenAI-style message list; return it as plain dicts."""
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check an OpenAI-style message list; return it as plain dicts (role, content and the tool keys given)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     checked = []
@@ -19,19 +20,22 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
             raise ValueError(f"messages[{i}] has role {message['role']!r}; expected one of {ROLES}")
         if not isinstance(message["content"], str):
             raise ValueError(f"messages[{i}].content must be a string")
-        checked.append({"role": message["role"], "content": message["content"]})
+        checked.append({"role": message["role"], "content": message["content"],
+                        **{key: message[key] for key in TOOL_KEYS if message.get(key) is not None}})
     return checked
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]], system_prompt: str | None = None, *,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], system_prompt: str | None = None, *,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
     """Token ids of the conversation, ending where the assistant's reply starts (or, with
     `continue_final_message`, inside the last message, so the reply continues it; with
     add_generation_prompt=False, after the last message).
 
     `system_prompt` is prepended when the conversation has no system message
     (SmolLM2 answers far better with its own). The template writes any BOS itself, so
-    the text is tokenized without the tokenizer's own special tokens.
+    the text is tokenized without the tokenizer's own special tokens. `tools` (OpenAI's tool
+    definitions) go to the template, which shows them to the model if it knows how.
     """
     messages = validate_messages(messages)
     if add_generation_prompt and continue_final_message:
@@ -41,6 +45,7 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]], system_p
         messages = [{"role": "system", "content": system_prompt}, *messages]
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this tokenizer has no chat template: pass a plain prompt string or token ids instead")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -37,14 +37,18 @@ from medusa.decoding.server.jobs import Job, chat_job, completion_job, context_l
 from medusa.decoding.server.metrics import CONTENT_TYPE, ServerMetrics
 from medusa.decoding.server.responses import Formatter, engine_outputs, full_response, shutting_down, stream_events
 from medusa.decoding.server.tokenization import detokenize, tokenize, tokenize_request_type
+from medusa.decoding.server.tools import TOOL_PARSERS
 
 log = logging.getLogger("medusa.server")
 
 
 class ServerState:
     def __init__(self, model: Any, served_name: str, api_key: str | None, max_waiting: int,
-                 engine_config: EngineConfig) -> None:
+                 engine_config: EngineConfig, tool_parser: str | None = None) -> None:
+        if tool_parser is not None and tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_parser must be one of {TOOL_PARSERS} or None, got {tool_parser!r}")
         self.model, self.served_name, self.api_key = model, served_name, api_key
+        self.tool_parser = tool_parser  # finds tool calls in free text (tool_choice "auto"); None: "auto" refused
         self.max_waiting, self.engine_config = max_waiting, engine_config
         self.max_model_len = context_limit(model, engine_config)
         self.engines: dict[bool, AsyncLLMEngine] = {}
@@ -128,9 +132,10 @@ def bucket_runs(trees: dict[int, str]) -> str:
 
 
 def build_app(model: Any, served_name: str, api_key: str | None = None, max_waiting: int = 256,
-              engine_config: EngineConfig | None = None) -> FastAPI:
-    """The app serving `model` as `served_name`; with api_key, /v1 routes need `Authorization: Bearer`."""
-    state = ServerState(model, served_name, api_key, max_waiting, engine_config or EngineConfig())
+              engine_config: EngineConfig | None = None, tool_parser: str | None = None) -> FastAPI:
+    """The app serving `model` as `served_name`; with api_key, /v1 routes need `Authorization: Bearer`;
+    with tool_parser ("hermes"), tool_choice "auto" is served (the calls found in the answer's text)."""
+    state = ServerState(model, served_name, api_key, max_waiting, engine_config or EngineConfig(), tool_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -163,7 +168,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = await _parse(request, state, p.ChatCompletionRequest)
-        return await _serve(request, state, chat_job(req, state.model, state.max_model_len))
+        return await _serve(request, state, chat_job(req, state.model, state.max_model_len, state.tool_parser))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -11,10 +11,12 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from medusa.decoding.kv_budget import CPU_BLOCKS
+    from medusa.decoding.server.tools import TOOL_PARSERS
 
     p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--heads", default=None, help="heads folder/file; 'none' for plain decoding only")
@@ -40,6 +42,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--apply-interval", type=int, default=1,
                    help="apply the rows' tokens (stops, text, outputs) every this many decode steps, each stream's at "
                         "once: less host work per step at many requests, outputs this many steps apart (default: 1)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template's text) instead of the model's own, e.g. "
+                        "one that shows the request's tools to the model")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice \"auto\" (the default with tools): the model decides, and "
+                        "--tool-call-parser finds its calls in the text")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                   help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>, as Hermes, "
+                        "Qwen 2.5 / 3 and SmolLM3 write them)")
     p.add_argument("--device", default=None)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -50,6 +61,7 @@ def serve(args: argparse.Namespace) -> int:
     from medusa.decoding.engine import EngineConfig
     from medusa.decoding.kv_budget import auto_num_blocks
     from medusa.decoding.scheduler import SchedulerConfig
+    from medusa.chat import chat_prompt_ids
     from medusa.decoding.server.app import build_app
     from medusa.decoding.token_guide import VocabTrie
     from medusa.default_model import DEFAULT_MODEL_NAME
@@ -62,11 +74,20 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: give both or neither")
+    template = _chat_template(args.chat_template)
     start = time.perf_counter()
     heads = None if args.heads in (None, "none") else args.heads
     model = MedusaModel.from_pretrained(args.model, heads=heads, device=args.device, prompt_lookup=args.prompt_lookup)
     if args.heads == "none":
         model.heads = None
+    if template is not None:
+        model.tokenizer.chat_template = template
+        try:  # a template that cannot render a one-line conversation fails now, not in every request
+            chat_prompt_ids(model.tokenizer, [{"role": "user", "content": "Hi"}], model.system_prompt)
+        except Exception as err:
+            raise ValueError(f"--chat-template does not render a conversation: {err}") from None
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(2048, args.max_num_seqs))
     num_blocks = args.num_kv_blocks or auto_num_blocks(
@@ -75,7 +96,8 @@ def serve(args: argparse.Namespace) -> int:
     VocabTrie.of(model.tokenizer)  # guided decoding's vocabulary trie (~1 s): now, not inside a request's step
     app = build_app(model, name, api_key=args.api_key, max_waiting=args.max_waiting,
                     engine_config=EngineConfig(num_blocks=num_blocks, block_size=args.block_size, scheduler=scheduler,
-                                               prompt_lookup=model.prompt_lookup, apply_interval=args.apply_interval))
+                                               prompt_lookup=model.prompt_lookup, apply_interval=args.apply_interval),
+                    tool_parser=args.tool_call_parser)
     print(f"[medusa serve: '{name}' loaded in {time.perf_counter() - start:.1f}s on "
           f"{model.base.embed_tokens.weight.device}; heads: {'yes' if model.heads is not None else 'none'}; "
           f"prompt lookup: {model.prompt_lookup} nodes; "
@@ -89,6 +111,23 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, _exit_cleanly)
     server.run()
     return 0
+
+
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "configs" / "chat_templates"
+
+
+def _chat_template(given: str | None) -> str | None:
+    """--chat-template's text: a file's, a shipped template's (a name in configs/chat_templates), or the argument
+    itself where it is a template (it has "{{" or "{%")."""
+    if given is None:
+        return None
+    for path in (Path(given), TEMPLATES_DIR / f"{given}.jinja"):
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    if "{{" in given or "{%" in given:
+        return given
+    shipped = ", ".join(sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja")))
+    raise ValueError(f"--chat-template {given!r} is not a file, a shipped template ({shipped}) or a Jinja template")
 
 
 def _make_server(config):

@@ -6,12 +6,14 @@ engine cannot honour), so the engine only ever sees requests it can run.
 logit_bias, allowed_token_ids, bad_words, guided_choice / regex / json (and
 OpenAI's response_format), repetition_penalty, presence_penalty and
 frequency_penalty go to the engine, which applies them along every tree node's
-own path, so they stay lossless with Medusa. Tools, grammars, `suffix` and
+own path, so they stay lossless with Medusa; so do tool_choice "required" and
+named functions, guided by the tools' schemas (tools.py). Grammars, `suffix` and
 vLLM's other fields that change the output but are not implemented
 (`UNSERVED`) are refused with a 400 rather than silently ignored."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -27,6 +29,7 @@ from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.server.errors import APIError, bad_request, unsupported
 from medusa.decoding.server.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
                                              _SamplingRequest)
+from medusa.decoding.server.tools import ToolPlan, template_tools, tool_plan
 
 # LLMEngine.add_request keeps this many positions spare beyond prompt + max_tokens.
 ENGINE_CONTEXT_MARGIN = 8
@@ -58,36 +61,64 @@ class Job:
     echo: list[str] | None = None  # prompt texts to prepend (completions with echo=true)
     continuous_usage: bool = False  # every streamed chunk carries the usage so far (vLLM's continuous_usage_stats)
     prompt_logprobs: int | None = None  # vLLM's: the response carries each prompt token's logprob and top k
+    tools: ToolPlan | None = None  # chat: how the answer becomes tool calls (None: it is text)
 
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.params.n
 
 
-def chat_job(req: ChatCompletionRequest, model: Any, max_model_len: int) -> Job:
-    if req.tools and req.tool_choice != "none":
-        raise unsupported("tools", "the server does not parse tool calls")
+def chat_job(req: ChatCompletionRequest, model: Any, max_model_len: int, tool_parser: str | None = None) -> Job:
+    """`tool_parser`: the server's parser of tool calls in free text (tool_choice "auto"), or None."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+    plan = tool_plan(req, tool_parser)
     ids = _truncated(chat_prompt(req, model), req, max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _sampling_params(req, [ids], max_tokens, logprobs, model, max_model_len)
-    return _job("chat", req, [ids], params)
+    params = _sampling_params(req, [ids], max_tokens, logprobs, model, max_model_len,
+                              plan.schema if plan is not None else None)
+    if plan is not None and plan.schema is None:  # a parser reads the text: tags that are special tokens stay in it
+        params = replace(params, skip_special_tokens=False)
+    return replace(_job("chat", req, [ids], params), tools=plan)
 
 
 def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest, model: Any) -> list[int]:
     """The conversation's token ids through the model's chat template (its system prompt where the conversation
     has none), as the request's template options say."""
-    messages = []
-    for i, message in enumerate(req.messages):
-        text = message.text()
-        if text is None:
-            raise bad_request(f"messages[{i}].content must be text", "messages")
-        messages.append({"role": "system" if message.role == "developer" else message.role, "content": text})
+    messages = [_template_message(i, message) for i, message in enumerate(req.messages)]
     return _encode(lambda: chat_prompt_ids(model.tokenizer, messages, model.system_prompt,
                                            add_generation_prompt=req.add_generation_prompt,
-                                           continue_final_message=req.continue_final_message), "messages")
+                                           continue_final_message=req.continue_final_message,
+                                           tools=template_tools(req.tools)), "messages")
+
+
+def _template_message(i: int, message: Any) -> dict[str, Any]:
+    """A request message as chat templates read it: an assistant's earlier calls with their arguments as objects
+    (Llama's and Qwen's templates write them so), a tool message with the id of the call it answers."""
+    text = message.text()
+    if text is None and not message.tool_calls:
+        raise bad_request(f"messages[{i}].content must be text", "messages")
+    entry: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": text or ""}
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise bad_request(f"messages[{i}] has tool_calls, which only an assistant message may have", "messages")
+        entry["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+            for call in message.tool_calls]
+    if message.role == "tool":
+        entry["tool_call_id"] = message.tool_call_id
+        if message.name is not None:
+            entry["name"] = message.name
+    return entry
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments text as the object it encodes (the text itself where it is not JSON)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def completion_job(req: CompletionRequest, model: Any, max_model_len: int) -> Job:
@@ -148,7 +179,8 @@ def _encode(encode: Callable[[], list[int]], param: str) -> list[int]:
 
 
 def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
-                     logprobs: int | None, model: Any, max_model_len: int) -> SamplingParams:
+                     logprobs: int | None, model: Any, max_model_len: int,
+                     tool_schema: dict | None = None) -> SamplingParams:
     room = _room(prompts, max_model_len)
     if max_tokens is None:
         max_tokens = room  # OpenAI's chat default: as long as the context allows
@@ -157,7 +189,7 @@ def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens
                           f"({room})", "max_tokens", "context_length_exceeded")
     _check_token_ids(req.stop_token_ids or [], model, "stop_token_ids")
     temperature = 1.0 if req.temperature is None else req.temperature
-    guides = _guided(req)
+    guides = _guided(req, tool_schema)
     try:
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
@@ -199,11 +231,19 @@ def _logit_bias(bias: dict[str, float] | None, model: Any) -> dict[int, float]:
     return {token: min(max(value, -100.0), 100.0) for token, value in ids.items()}
 
 
-def _guided(req: _SamplingRequest) -> dict[str, Any]:
+def _guided(req: _SamplingRequest, tool_schema: dict | None = None) -> dict[str, Any]:
     """vLLM's guided_choice, guided_regex and guided_json, or structured_outputs={"choice" | "regex" | "json": ...}
-    (its newer spelling), or OpenAI's response_format (chat): SamplingParams' guided_* fields."""
+    (its newer spelling), or OpenAI's response_format (chat), or the schema of the tool calls a chat's
+    tool_choice asks for: SamplingParams' guided_* fields."""
     guides = {"guided_choice": req.guided_choice, "guided_regex": req.guided_regex, "guided_json": req.guided_json}
     named = {name: name for name in guides}
+    if tool_schema is not None:
+        given = [name for name in (*guides, "structured_outputs", "response_format")
+                 if _guide_set(getattr(req, name, None))]
+        if given:
+            raise bad_request(f"tool_choice \"required\" or a named function guides the answer by the tools' "
+                              f"schemas, so {given[0]} cannot be given too", given[0])
+        guides["guided_json"], named["guided_json"] = tool_schema, "tools"
     if req.structured_outputs:
         outputs = req.structured_outputs
         if not isinstance(outputs, dict) or len(outputs) != 1 or not set(outputs) <= {"choice", "regex", "json"}:
@@ -228,6 +268,11 @@ def _guided(req: _SamplingRequest) -> dict[str, Any]:
                 raise bad_request(str(err), named[name]) from None
     # with ignore_eos or min_tokens, or two guides, SamplingParams refuses them (naming the field)
     return guides
+
+
+def _guide_set(value: Any) -> bool:
+    """A guide field a client really set (vLLM clients send them at their defaults; text is no guide)."""
+    return value not in (None, [], {}, "") and value != {"type": "text"}
 
 
 def _response_format_schema(response_format: Any) -> Any:

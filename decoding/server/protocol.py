@@ -83,10 +83,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str  # JSON text, as the assistant wrote it
+
+
+class ToolCallIn(_Strict):
+    """An assistant message's earlier call, sent back in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str | None:
         if isinstance(self.content, list):  # OpenAI's content parts: only text ones are served
@@ -102,13 +117,40 @@ class _ChatTemplateOptions(_Strict):
     continue_final_message: bool = False
 
 
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; None: the function takes no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice naming the function the answer must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(_SamplingRequest, _ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, lt=_INT64)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's defaults)
+    parallel_tool_calls: bool | None = True  # False: tool_choice "required" makes exactly one call
     response_format: dict[str, Any] | None = None
 
 
@@ -135,6 +177,7 @@ class TokenizeChatRequest(_ChatTemplateOptions):
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None  # given to the chat template, as a chat completion gives them
     return_token_strs: bool = False
 
 
@@ -195,9 +238,21 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token; None for the first (nothing before it)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the answer is only tool calls
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -223,7 +278,9 @@ class ChatCompletionResponse(_Response):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": text}
+    # {"role": "assistant", "content": ""} first, then {"content": text} and / or {"tool_calls": [...]}, whose
+    # entries carry their index, and id, type and function name the first time, then arguments text
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -24,6 +24,7 @@ from medusa.decoding.server import protocol as p
 from medusa.decoding.server.errors import APIError
 from medusa.decoding.server.jobs import Job
 from medusa.decoding.server.metrics import RequestTracker
+from medusa.decoding.server.tool_parsers import ToolCallParser, make_parser
 
 log = logging.getLogger("medusa.server")
 
@@ -81,6 +82,10 @@ async def engine_outputs(engine: AsyncLLMEngine, job: Job, live: set[asyncio.Que
 class _Choice:
     text: str = ""
     num_tokens: int = 0
+    parser: ToolCallParser | None = None  # a chat job with a tool plan: finds the calls in the text
+    content: str = ""  # the text less the tool calls the parser took out of it
+    new_content: str = ""  # the last output's share of `content`
+    new_calls: list[dict[str, Any]] = field(default_factory=list)  # and its tool-call deltas
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -94,7 +99,9 @@ class Formatter:
     def __init__(self, job: Job, model_name: str, tokenizer: Any) -> None:
         self.job, self.model_name, self.tokenizer = job, model_name, tokenizer
         self.created = int(time.time())
-        self.choices = [_Choice() for _ in range(job.num_choices)]
+        tools = job.tools
+        self.choices = [_Choice(parser=make_parser(tools.mode, tools.function) if tools else None)
+                        for _ in range(job.num_choices)]
         self._token_text: dict[int, str] = {}
 
     # ---- accumulation ------------------------------------------------------
@@ -105,8 +112,20 @@ class Formatter:
         acc.num_tokens += len(out.new_token_ids)
         acc.logprobs += out.new_logprobs or []
         acc.prompt_logprobs = out.prompt_logprobs
+        acc.new_content, acc.new_calls = out.new_text, []
+        if acc.parser is not None:
+            acc.new_content, acc.new_calls = acc.parser.feed(out.new_text)
+            if out.finished:
+                content, calls = acc.parser.finish()
+                acc.new_content, acc.new_calls = acc.new_content + content, acc.new_calls + calls
+        acc.content += acc.new_content
         if out.finished:
             acc.finish_reason, acc.stop_reason = out.finish_reason, out.stop_reason
+            if out.finish_reason == "stop" and self._auto_called(acc):
+                acc.finish_reason = "tool_calls"  # as vLLM: the model chose to call (named and required stay "stop")
+
+    def _auto_called(self, acc: _Choice) -> bool:
+        return acc.parser is not None and bool(acc.parser.calls) and self.job.tools.schema is None
 
     def usage(self) -> p.Usage:
         prompt = sum(len(ids) for ids in self.job.prompts)
@@ -121,7 +140,7 @@ class Formatter:
     def response(self) -> p.ChatCompletionResponse | p.CompletionResponse:
         common = dict(id=self.job.request_id, created=self.created, model=self.model_name, usage=self.usage())
         if self.job.kind == "chat":
-            choices = [p.ChatChoice(index=i, message=p.AssistantMessage(content=c.text),
+            choices = [p.ChatChoice(index=i, message=self._message(c),
                                     logprobs=self._chat_logprobs(c.logprobs), finish_reason=c.finish_reason,
                                     stop_reason=c.stop_reason) for i, c in enumerate(self.choices)]
             return p.ChatCompletionResponse(choices=choices, prompt_logprobs=self._prompt_logprobs(0), **common)
@@ -129,6 +148,16 @@ class Formatter:
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                       prompt_logprobs=self._prompt_logprobs(i)) for i, c in enumerate(self.choices)]
         return p.CompletionResponse(choices=choices, **common)
+
+    @staticmethod
+    def _message(acc: _Choice) -> p.AssistantMessage:
+        if acc.parser is None:
+            return p.AssistantMessage(content=acc.text)
+        calls = [p.ToolCall(id=c["id"], function=p.FunctionCall(name=c["name"], arguments=c["arguments"]))
+                 for c in acc.parser.calls]
+        # content None where the answer is only calls (OpenAI's); text beside calls is kept
+        content = None if calls and not acc.content.strip() else acc.content
+        return p.AssistantMessage(content=content, tool_calls=calls)
 
     # ---- streaming ---------------------------------------------------------
 
@@ -144,12 +173,16 @@ class Formatter:
         """The chunk for one engine output (None when it carries nothing yet: text held back by the detokenizer)."""
         acc = self.choices[choice]
         new_logprobs = out.new_logprobs or []
-        if not (out.new_text or out.finished or new_logprobs):
-            return None
         if self.job.kind == "chat":
-            delta = {"content": out.new_text} if out.new_text else {}
+            delta: dict[str, Any] = {"content": acc.new_content} if acc.new_content else {}
+            if acc.new_calls:
+                delta["tool_calls"] = acc.new_calls
+            if not (delta or out.finished or new_logprobs):
+                return None
             return self._chunk(p.ChatChunkChoice(index=choice, delta=delta, logprobs=self._chat_logprobs(new_logprobs),
                                                  finish_reason=acc.finish_reason, stop_reason=acc.stop_reason))
+        if not (out.new_text or out.finished or new_logprobs):
+            return None
         logprobs = self._completion_logprobs(acc, new_logprobs)
         acc.text_offset += len(out.new_text)
         return self._chunk(p.CompletionChoice(index=choice, text=out.new_text, finish_reason=acc.finish_reason,

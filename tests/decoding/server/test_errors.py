@@ -74,7 +74,7 @@ BAD = [
     (CHAT, chat(logit_bias={"-1": 5}), 400, "logit_bias"),
     (CHAT, chat(logit_bias={"1": "5"}), 400, "logit_bias"),
     (CHAT, chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool_choice"),  # "auto": no parser
     (CHAT, chat(messages=[{"role": "user", "content": "hello " * 5000}]), 400, None),
     (CHAT, chat(model="gpt-17"), 404, "model"),
     (COMP, {"max_tokens": 4}, 400, "prompt"),

@@ -143,3 +143,31 @@ def test_response_format_json_object_answers_one_json_object(clients):
         said.append(resp.choices[0].message.content)
         assert isinstance(json.loads(said[-1]), dict) and resp.choices[0].finish_reason == "stop"
     assert said[0] == said[1]
+
+
+def test_a_tool_call_round_trip_through_the_client(clients):
+    """Named function calling through the official client, streamed and not (the same call), then the call and its
+    answer sent back as the conversation goes on."""
+    client, _ = clients
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                       "required": ["city"], "additionalProperties": False}}}]
+    ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    resp = client.chat.completions.create(model=SERVED_NAME, messages=ask, tools=tools, tool_choice=named,
+                                          max_tokens=40, temperature=0)
+    (call,) = resp.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    arguments, names = "", []
+    for chunk in client.chat.completions.create(model=SERVED_NAME, messages=ask, tools=tools, tool_choice=named,
+                                                max_tokens=40, temperature=0, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            names += [delta.function.name] if delta.function.name else []
+            arguments += delta.function.arguments or ""
+    assert names == ["get_weather"] and arguments == call.function.arguments
+    follow = ask + [resp.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    answer = client.chat.completions.create(model=SERVED_NAME, messages=follow, tools=tools, tool_choice="none",
+                                            max_tokens=8, temperature=0)
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls in (None, [])
