@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--tool-call-parser finds its calls in the text")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
                    help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>, as Hermes, "
-                        "Qwen 2.5 / 3 and SmolLM3 write them)")
+                        "Qwen 2.5 / 3 and SmolLM3 write them) or llama3_json (an answer of JSON calls, as Llama "
+                        "3.1-3.3 write them)")
     p.add_argument("--device", default=None)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

@@ -15,6 +15,12 @@ gives the same content and calls; a full response is the sum of its deltas.
   `--tool-call-parser hermes`: Hermes, Qwen 2.5 / 3 and SmolLM3 write so). Text
   outside the tags is content; a block that does not parse stays content too,
   so nothing the model wrote is lost.
+- Llama3Json: an answer that is JSON calls, `{"name": ..., "parameters": {...}}`
+  (or "arguments"), several separated by ";", perhaps after `<|python_tag|>`
+  (tool_choice "auto" with `--tool-call-parser llama3_json`: Llama 3.1-3.3
+  write so). An answer that starts otherwise streams as content; one that
+  starts as JSON is held to its end, then becomes calls, or content where it
+  does not parse.
 """
 
 from __future__ import annotations
@@ -190,6 +196,55 @@ class HermesCalls(ToolCallParser):
         return ""
 
 
+class Llama3Json(ToolCallParser):
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending = ""
+        self.mode: str | None = None  # "text" or "calls", once the answer's start tells
+
+    def feed(self, text: str) -> Delta:
+        if self.mode == "text":
+            return text, []
+        self.pending += text
+        start = self.pending.lstrip()
+        if not start or self.TAG.startswith(start):  # not yet known
+            return "", []
+        self.mode = "calls" if start.startswith((self.TAG, "{")) else "text"
+        if self.mode == "text":
+            text, self.pending = self.pending, ""
+            return text, []
+        return "", []
+
+    def finish(self) -> Delta:
+        text, self.pending = self.pending, ""
+        calls = _json_calls(text.strip().removeprefix(self.TAG)) if self.mode == "calls" else None
+        if calls is None:
+            return text, []
+        return "", [self._new_call(name, arguments) for name, arguments in calls]
+
+
+def _json_calls(text: str) -> list[tuple[str, str]] | None:
+    """[(name, arguments JSON)] of `{"name", "parameters" | "arguments"}` objects separated by ";", or None."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            call, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        arguments = call.get("parameters", call.get("arguments", {})) if isinstance(call, dict) else None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+            return None
+        calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+        rest = text[at:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(";"):
+            return None
+        at = len(text) - len(rest[1:].lstrip())
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker` (text to hold back: the marker may follow)."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
@@ -199,11 +254,14 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 def make_parser(mode: str, function: str | None = None) -> ToolCallParser:
-    """The parser of a tool plan's mode: "named" (with the function's name), "required" or "hermes"."""
+    """The parser of a tool plan's mode: "named" (with the function's name), "required", or a parser's name
+    (tools.TOOL_PARSERS)."""
     if mode == "named":
         return NamedCall(function or "")
     if mode == "required":
         return CallArray()
     if mode == "hermes":
         return HermesCalls()
+    if mode == "llama3_json":
+        return Llama3Json()
     raise ValueError(f"unknown tool call mode {mode!r}")

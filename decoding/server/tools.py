@@ -10,7 +10,7 @@ them to the model); tool_choice says what the answer is:
   of the tools' own, returned as tool calls.
 - "auto" (the default with tools): the model decides, writing calls in its own
   format, which the server's parser (`--enable-auto-tool-choice
-  --tool-call-parser hermes`) finds in the text; finish_reason "tool_calls"
+  --tool-call-parser hermes` or `llama3_json`) finds in the text; finish_reason "tool_calls"
   when it found one. Without a parser, "auto" is refused as vLLM refuses it.
 Guided modes decode losslessly with Medusa (the guide masks every tree node).
 """
@@ -25,7 +25,7 @@ from medusa.decoding.json_schema import schema_regex
 from medusa.decoding.server.errors import bad_request
 from medusa.decoding.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 
-TOOL_PARSERS = ("hermes",)  # --tool-call-parser choices
+TOOL_PARSERS = ("hermes", "llama3_json")  # --tool-call-parser choices
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule
 
 

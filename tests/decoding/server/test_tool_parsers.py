@@ -94,3 +94,23 @@ def test_make_parser_names_an_unknown_mode():
     assert isinstance(make_parser("required"), CallArray)
     with pytest.raises(ValueError, match="unknown tool call mode 'xml'"):
         make_parser("xml")
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('{"name": "f", "parameters": {"x": 1}}', "", [("f", '{"x": 1}')]),
+    ('<|python_tag|>{"name": "f", "arguments": {}}; {"name": "g", "parameters": {"y": "a;b"}}', "",
+     [("f", "{}"), ("g", '{"y": "a;b"}')]),
+    ('  {"name": "f", "parameters": {}} trailing words', '  {"name": "f", "parameters": {}} trailing words', []),
+    ('{"name": "f", "parame', '{"name": "f", "parame', []),  # cut short: the text, not a broken call
+    ("The answer is {x}.", "The answer is {x}.", []),  # text first: streamed as content
+    ("<|python", "<|python", []),
+])
+def test_llama3_json_calls_are_the_whole_answer_or_it_is_text(text, content, calls):
+    for pieces in splits(text):
+        got = run(make_parser("llama3_json"), pieces)
+        assert got[:2] == (content, calls) and summed(got[2]) == calls
+
+
+def test_llama3_json_streams_text_answers_as_they_come():
+    parser = make_parser("llama3_json")
+    assert parser.feed("Hel") == ("Hel", []) and parser.feed("lo") == ("lo", [])
