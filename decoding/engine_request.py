@@ -71,10 +71,10 @@ def token_rules(tokenizer: Any, params: SamplingParams, eos: set[int]) -> TokenR
     if not (params.bad_words or params.guided_choice or pattern is not None):
         return TokenRules()
     if tokenizer is None:
-        raise ValueError("bad_words and guided decoding (guided_choice, guided_regex, guided_json) need the "
+        raise ValueError("bad_words and guided decoding (guided_choice, regex, json, grammar) need the "
                          "engine's tokenizer (this engine was made without one)")
     if (params.guided_choice or pattern is not None) and not eos:
-        raise ValueError("guided decoding (guided_choice, guided_regex, guided_json) needs an end-of-sequence "
+        raise ValueError("guided decoding (guided_choice, regex, json, grammar) needs an end-of-sequence "
                          "token to end the output")
 
     def encode(text: str) -> tuple[int, ...]:

@@ -6,9 +6,13 @@ import json
 import numbers
 from dataclasses import dataclass, field
 
+from medusa.decoding.grammar import grammar_regex
 from medusa.decoding.json_schema import schema_regex
 from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.sampler import SamplingConfig
+
+
+GUIDES = ("guided_choice", "guided_regex", "guided_json", "guided_grammar")  # at most one per request
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,9 @@ class SamplingParams:
     # vLLM's guided_json: the output is one JSON text valid under this JSON Schema (a dict is kept as its JSON
     # text; `json_schema` says what is supported), then EOS. Followed as the regex the schema gives
     guided_json: str | None = None
+    # vLLM's guided_grammar: the output's text is a whole match of this GBNF grammar's root rule (`grammar` says
+    # how recursion is followed), then EOS. Followed as the regex the grammar gives
+    guided_grammar: str | None = None
     speculative: bool = True  # False: plain decoding, which only an engine without heads runs (it checks)
     # "delta": every output carries the text its new tokens add (streaming: the text is decoded every
     # step). "final": text only in the finished output, decoded once at the end; earlier outputs carry
@@ -112,7 +119,7 @@ class SamplingParams:
         self.sampling()  # validates temperature, top_p, top_k
 
     def _check_token_limits(self) -> None:
-        """allowed_token_ids, bad_words and the guides (guided_choice, guided_regex, guided_json): checked, the lists
+        """allowed_token_ids, bad_words and the guides (guided_choice, regex, json, grammar): checked, the lists
         kept as sorted / plain tuples, a schema as its JSON text."""
         if self.allowed_token_ids is not None:
             allowed = [None] if isinstance(self.allowed_token_ids, (str, bytes)) else list(self.allowed_token_ids)
@@ -133,7 +140,7 @@ class SamplingParams:
         if self.guided_json is not None:
             schema = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
             object.__setattr__(self, "guided_json", schema)
-        guides = [name for name in ("guided_choice", "guided_regex", "guided_json") if getattr(self, name)]
+        guides = self.guides
         if len(guides) > 1:
             raise ValueError(f"{guides[-1]} and {guides[0]} cannot both be set: give one guide")
         if self.guide_pattern is not None and (self.ignore_eos or self.min_tokens):  # also checks the pattern
@@ -141,19 +148,29 @@ class SamplingParams:
                              f"cannot be combined with ignore_eos or min_tokens")
 
     @property
+    def guides(self) -> list[str]:
+        """The guide fields set (guided_choice non-empty, the others not None)."""
+        return [name for name in GUIDES if (getattr(self, name) if name == "guided_choice"
+                                            else getattr(self, name) is not None)]
+
+    @property
     def guide_pattern(self) -> str | None:
-        """The regex guided_regex or guided_json holds the output's text to (ValueError, naming the field, for one
-        that cannot be followed)."""
+        """The regex guided_regex, guided_json or guided_grammar holds the output's text to (ValueError, naming the
+        field, for one that cannot be followed)."""
         if self.guided_regex is not None:
             compile_regex(self.guided_regex)
             return self.guided_regex
-        if self.guided_json is None:
+        if self.guided_json is not None:
+            field, pattern = "guided_json", schema_regex(self.guided_json)
+        elif self.guided_grammar is not None:
+            field, pattern = "guided_grammar", grammar_regex(self.guided_grammar)
+        else:
             return None
-        pattern = schema_regex(self.guided_json)
         try:
             compile_regex(pattern)
-        except ValueError as err:  # a string "pattern" the regex compiler cannot follow
-            raise ValueError(f"guided_json: a pattern in the schema cannot be followed ({err})") from None
+        except ValueError as err:  # e.g. a schema's string "pattern" the regex compiler cannot follow
+            source = "schema" if field == "guided_json" else "grammar"
+            raise ValueError(f"{field}: a pattern in the {source} cannot be followed ({err})") from None
         return pattern
 
     @property
@@ -162,7 +179,7 @@ class SamplingParams:
         gives every verdict."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
                 or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
-                or bool(self.guided_choice) or self.guided_regex is not None or self.guided_json is not None)
+                or bool(self.guides))
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

@@ -161,23 +161,26 @@ class MedusaModel:
                  speculative: bool = True, tree: TreeSpec | str | None = None, acceptance: str = "auto",
                  posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, min_p: float = 0.0,
                  guided_regex: str | None = None, guided_json: dict | str | None = None,
-                 guided_choice: Sequence[str] | None = None):
+                 guided_choice: Sequence[str] | None = None, guided_grammar: str | None = None):
         """Generate from a prompt string, chat messages, or token ids.
 
         Greedy (temperature 0) output is identical to plain greedy decoding;
         sampling is lossless unless acceptance="typical". A list of prompt
         strings returns a list of results. With stream=True, returns a
         GenerationStream of text deltas. guided_regex / guided_json (a JSON
-        Schema) / guided_choice hold the answer to a pattern, a schema or one of
-        the strings (vLLM's; on the engine, whatever the device).
+        Schema) / guided_grammar (GBNF) / guided_choice hold the answer to a
+        pattern, a schema, a grammar or one of the strings (vLLM's; on the
+        engine, whatever the device).
         """
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        guided = guided_regex is not None or guided_json is not None or bool(guided_choice)
+        guided = guided_regex is not None or guided_json is not None or guided_grammar is not None \
+            or bool(guided_choice)
 
         def engine_params() -> SamplingParams:  # the batch-1 decoder checks its own settings, with its own names
             return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   seed=seed, stop=tuple(stops), min_p=min_p, guided_regex=guided_regex,
-                                  guided_json=guided_json, guided_choice=tuple(guided_choice or ()))
+                                  guided_json=guided_json, guided_choice=tuple(guided_choice or ()),
+                                  guided_grammar=guided_grammar)
 
         if _is_prompt_list(inputs):
             if stream or tree is not None or acceptance != "auto":

@@ -152,7 +152,8 @@ def test_the_tree_measured_here_is_gated_and_a_pinned_one_is_not(model, monkeypa
 
 
 def test_guided_generation_answers_in_the_pattern_or_schema(model):
-    """guided_regex / guided_json / guided_choice run on the engine (even with a tree pinned at load time)."""
+    """guided_regex / guided_json / guided_grammar / guided_choice run on the engine (even with a tree pinned at load
+    time)."""
     import json
     import re
 
@@ -167,5 +168,8 @@ def test_guided_generation_answers_in_the_pattern_or_schema(model):
     assert plain.token_ids == phone.token_ids
     [yes_no] = model.generate(["Is the sea salty?"], max_new_tokens=4, guided_choice=["Yes", "No"])
     assert yes_no.text in ("Yes", "No")
+    grammar = 'root ::= num " + " num " = " [0-9]{1,2}\nnum ::= [0-9] num | [0-9]'
+    sum_ = model.generate("What is 2 + 3?", max_new_tokens=16, guided_grammar=grammar)
+    assert re.fullmatch(r"\d+ \+ \d+ = \d{1,2}", sum_.text) and sum_.finish_reason == "stop"
     with pytest.raises(ValueError, match="leave tree= and acceptance= out"):
         model.generate("Hi", guided_regex="a+", tree="tree-4")

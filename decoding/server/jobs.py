@@ -3,11 +3,11 @@
 All the semantic checks live here (context length, vocabulary, options the
 engine cannot honour), so the engine only ever sees requests it can run.
 
-logit_bias, allowed_token_ids, bad_words, guided_choice / regex / json (and
+logit_bias, allowed_token_ids, bad_words, guided_choice / regex / json / grammar (and
 OpenAI's response_format), repetition_penalty, presence_penalty and
 frequency_penalty go to the engine, which applies them along every tree node's
 own path, so they stay lossless with Medusa; so do tool_choice "required" and
-named functions, guided by the tools' schemas (tools.py). Grammars, `suffix` and
+named functions, guided by the tools' schemas (tools.py). Beam search, `suffix` and
 vLLM's other fields that change the output but are not implemented
 (`UNSERVED`) are refused with a 400 rather than silently ignored."""
 
@@ -23,6 +23,7 @@ from jinja2 import TemplateError
 
 from medusa.chat import chat_prompt_ids
 from medusa.decoding.engine import EngineConfig
+from medusa.decoding.grammar import grammar_regex
 from medusa.decoding.json_schema import schema_regex
 from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.sampling_params import SamplingParams
@@ -36,8 +37,7 @@ ENGINE_CONTEXT_MARGIN = 8
 # Below this a temperature only amplifies float error: treat it as greedy (vLLM does the same).
 GREEDY_BELOW = 1e-5
 # vLLM's request fields this server does not implement, each refused when set (not null, false or empty)
-UNSERVED = {"guided_grammar": "grammars are not implemented (guided_choice, guided_regex and guided_json are)",
-            "use_beam_search": "beam search is not implemented",
+UNSERVED = {"use_beam_search": "beam search is not implemented",
             "logits_processors": "custom logits processors are not served",
             "prompt_embeds": "prompts are served as text or token ids only"}
 
@@ -232,10 +232,11 @@ def _logit_bias(bias: dict[str, float] | None, model: Any) -> dict[int, float]:
 
 
 def _guided(req: _SamplingRequest, tool_schema: dict | None = None) -> dict[str, Any]:
-    """vLLM's guided_choice, guided_regex and guided_json, or structured_outputs={"choice" | "regex" | "json": ...}
-    (its newer spelling), or OpenAI's response_format (chat), or the schema of the tool calls a chat's
-    tool_choice asks for: SamplingParams' guided_* fields."""
-    guides = {"guided_choice": req.guided_choice, "guided_regex": req.guided_regex, "guided_json": req.guided_json}
+    """vLLM's guided_choice, guided_regex, guided_json and guided_grammar, or structured_outputs={"choice" |
+    "regex" | "json" | "grammar": ...} (its newer spelling), or OpenAI's response_format (chat), or the schema of
+    the tool calls a chat's tool_choice asks for: SamplingParams' guided_* fields."""
+    guides = {"guided_choice": req.guided_choice, "guided_regex": req.guided_regex, "guided_json": req.guided_json,
+              "guided_grammar": req.guided_grammar}
     named = {name: name for name in guides}
     if tool_schema is not None:
         given = [name for name in (*guides, "structured_outputs", "response_format")
@@ -246,9 +247,10 @@ def _guided(req: _SamplingRequest, tool_schema: dict | None = None) -> dict[str,
         guides["guided_json"], named["guided_json"] = tool_schema, "tools"
     if req.structured_outputs:
         outputs = req.structured_outputs
-        if not isinstance(outputs, dict) or len(outputs) != 1 or not set(outputs) <= {"choice", "regex", "json"}:
-            raise unsupported("structured_outputs",
-                              'only one of {"choice": [...]}, {"regex": "..."} or {"json": schema} is implemented')
+        if not isinstance(outputs, dict) or len(outputs) != 1 or \
+                not set(outputs) <= {"choice", "regex", "json", "grammar"}:
+            raise unsupported("structured_outputs", 'only one of {"choice": [...]}, {"regex": "..."}, '
+                              '{"json": schema} or {"grammar": "..."} is implemented')
         (key, value), = outputs.items()
         guides[f"guided_{key}"], named[f"guided_{key}"] = value, "structured_outputs"
     schema = _response_format_schema(getattr(req, "response_format", None))
@@ -260,7 +262,8 @@ def _guided(req: _SamplingRequest, tool_schema: dict | None = None) -> dict[str,
         raise bad_request(f"{named['guided_choice']} must be a non-empty list of non-empty strings",
                           named["guided_choice"])
     guides["guided_choice"] = tuple(choice or ())
-    for name, check in (("guided_regex", compile_regex), ("guided_json", schema_regex)):
+    for name, check in (("guided_regex", compile_regex), ("guided_json", schema_regex),
+                        ("guided_grammar", grammar_regex)):
         if guides[name] is not None:
             try:
                 check(guides[name])

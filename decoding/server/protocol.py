@@ -56,12 +56,12 @@ class _SamplingRequest(_Strict):
     guided_choice: Any = None  # vLLM's: the output is one of these strings (checked in jobs, as structured_outputs)
     guided_regex: Any = None  # vLLM's: the output's text matches this regular expression (checked in jobs)
     guided_json: Any = None  # vLLM's: the output is JSON valid under this schema (checked in jobs)
-    structured_outputs: Any = None  # vLLM's newer spelling: {"choice": [...]}, {"regex": "..."} or {"json": {...}}
+    guided_grammar: Any = None  # vLLM's: the output matches this GBNF grammar (checked in jobs)
+    structured_outputs: Any = None  # vLLM's newer spelling: {"choice" | "regex" | "json" | "grammar": ...}
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's logprob + top k
     speculative: bool | None = True  # Medusa tree verification; False: plain one-token steps
     # vLLM's fields that change the output and that this server does not implement: read so that a request
     # setting one is refused (jobs.UNSERVED) rather than answered as if it had not
-    guided_grammar: Any = None
     use_beam_search: Any = None
     logits_processors: Any = None
     prompt_embeds: Any = None

@@ -94,7 +94,7 @@ BAD = [
     # vLLM's fields that would change the answer and are not implemented: refused, never ignored
     (CHAT, chat(guided_json={"type": "integer", "minimum": 1}), 400, "guided_json"),
     (CHAT, chat(guided_json="{"), 400, "guided_json"),
-    (CHAT, chat(guided_grammar="root ::= 'a'"), 400, "guided_grammar"),
+    (CHAT, chat(guided_grammar="root ::= answer"), 400, "guided_grammar"),  # answer is not defined
     (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}), 400,
      "response_format"),
     (CHAT, chat(response_format={"type": "yaml"}), 400, "response_format"),

@@ -394,6 +394,24 @@ def test_guided_json_answers_json_valid_under_the_schema(client):
     assert len(said) == 1
 
 
+def test_guided_grammar_answers_in_the_grammar(client):
+    """vLLM's guided_grammar (GBNF, and structured_outputs={"grammar": ...}): the answer is a whole derivation of
+    root, then ends; Medusa trees and plain steps give the same one."""
+    grammar = 'root ::= "SELECT " column " FROM " table ";"\ncolumn ::= "id" | "name" | column ", " column\n' \
+              'table ::= [a-z]{3,8}'
+    said = set()
+    for extra in ({"guided_grammar": grammar}, {"structured_outputs": {"grammar": grammar}}):
+        for speculative in (True, False):
+            body = {"messages": MSG, "max_tokens": 60, "temperature": 0, "speculative": speculative, **extra}
+            resp = client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer secret"})
+            assert resp.status_code == 200, resp.text
+            choice = resp.json()["choices"][0]
+            assert re.fullmatch(r"SELECT (id|name)(, (id|name))* FROM [a-z]{3,8};", choice["message"]["content"])
+            assert choice["finish_reason"] == "stop"
+            said.add(choice["message"]["content"])
+    assert len(said) == 1
+
+
 def test_unserved_vllm_fields_at_their_defaults_are_accepted(client):
     """Clients built for vLLM send its fields at their defaults: those are served; set, they are refused
     (test_errors.BAD)."""

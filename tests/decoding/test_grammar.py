@@ -1,0 +1,110 @@
+"""guided_grammar: a GBNF grammar as a regex, checked against Python's `re` on texts the grammar does and does not
+derive; recursion that only repeats is unbounded, other recursion nests MAX_NESTING deep; bad grammars are refused
+naming guided_grammar and where."""
+
+import re
+
+import pytest
+
+from medusa.decoding.grammar import MAX_NESTING, grammar_regex
+from medusa.decoding.regex_dfa import compile_regex
+from medusa.decoding.sampling_params import SamplingParams
+
+SQL = r'''
+root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "   # a comment
+condition ::= column "= " number
+number ::= "1 " | "2 "
+'''
+
+JSON = r'''
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+ws ::= | " " | "\n" [ \t]{0,20}
+'''
+
+
+def matches(grammar: str, text: str) -> bool:
+    """Whether the grammar's regex matches the whole text (the guide's compiler takes the regex too)."""
+    pattern = grammar_regex(grammar)
+    compile_regex(pattern)
+    return re.fullmatch(pattern, text) is not None
+
+
+@pytest.mark.parametrize("grammar,good,bad", [
+    (SQL, ["SELECT col_1  from table_2  where col_2 = 1 "], ["SELECT col_3  from table_2  where col_2 = 1 ",
+                                                             "SELECT col_1  from table_2  where col_2 = 1"]),
+    (JSON, ['{"a": [1, {"b": "x\\n"}], "c": true}', "{}", '{"k": -0.5e3 }'], ['{"a": }', "[1]", '{"a": 01}']),
+    ('root ::= [a-c\\-]+ "." [^a-z]', ["a-b.X", "-.\n"], ["ab.c", "d.X"]),  # an escaped dash is a dash
+    ("root ::= 'it''s' | \"\\x41\\u00e9\" | \"\\U0001F600\"", ["its", "Aé", "\U0001F600"], ["it's"]),
+    ('root ::= . "|" .', ["\n|x", "é|é"], ["ab|c"]),  # "." is any character, newlines too
+    ('root ::= "a"{2} "b"{1,} "c"{0,2} ("d" "e"?){2,3}', ["aabdd", "aabbbccdede", "aabdedd"], ["abdd", "aabdddd"]),
+    ('root ::= ("+" | "-")? digits\ndigits ::= [0-9] digits | [0-9]', ["-12", "7", "1" * 200], ["+", "1-"]),
+    ('root ::= list\nlist ::= list "," item | item\nitem ::= [a-z]+', [",".join("ab" * 60)], [",a", "a,"]),
+    ('root ::= ""', [""], ["a"]),
+])
+def test_the_regex_matches_what_the_grammar_derives(grammar, good, bad):
+    for text in good:
+        assert matches(grammar, text), text
+    for text in bad:
+        assert not matches(grammar, text), text
+
+
+def test_recursion_that_nests_is_followed_max_nesting_deep():
+    grammar = 'root ::= value\nvalue ::= "[" value "]" | "x"'
+    for depth in range(MAX_NESTING + 2):
+        text = "[" * depth + "x" + "]" * depth
+        assert matches(grammar, text) == (depth < MAX_NESTING), depth
+    mutual = 'root ::= a\na ::= "(" b ")" | "a"\nb ::= "<" a ">" | "b"'
+    assert matches(mutual, "(<(b)>)") and matches(mutual, "a") and not matches(mutual, "(a)")
+
+
+def test_the_sql_example_of_vllms_docs_becomes_a_small_pattern():
+    assert len(grammar_regex(SQL)) < 200 and len(grammar_regex(JSON)) < 200_000
+
+
+@pytest.mark.parametrize("grammar,message", [
+    ("", "must be a non-empty GBNF grammar"),
+    ('answer ::= "a"', "has no root rule"),
+    ("root ::= answer", "rule 'root' refers to 'answer', which is not defined"),
+    ('root ::= "a"\nroot ::= "b"', "rule 'root' is defined twice at line 2, column 1"),
+    ('start: "a" | "b"', "Lark grammars are not supported"),
+    ('root ::= "a\\q"', r"unknown escape \\q"),
+    ('root ::= ("a" | "b"', "missing \\) at line 1"),
+    ('root ::= "a" )', "unexpected '\\)' at line 1, column 14"),
+    ("root ::= [z-a]", "runs backwards"),
+    ('root ::= "a"{3,2}', "maximum below its minimum"),
+    ('root ::= @', "unexpected '@' at line 1, column 10"),
+    ('root ::= root "a"', "root cannot end within"),
+    ('root ::= "\\x4"', r"\\x needs 2 hex digits"),
+])
+def test_grammars_it_cannot_follow_are_refused_naming_guided_grammar(grammar, message):
+    with pytest.raises(ValueError, match="guided_grammar.*" + message):
+        grammar_regex(grammar)
+
+
+def test_a_grammar_that_unrolls_too_wide_is_refused():
+    wide = "root ::= e\ne ::= " + " | ".join(f'"{c}" e e e e' for c in "abcdefghij") + ' | "x"'
+    with pytest.raises(ValueError, match="unrolls to a pattern over"):
+        grammar_regex(wide)
+
+
+def test_sampling_params_follow_the_grammar_as_its_regex():
+    params = SamplingParams(guided_grammar=SQL)
+    assert params.guide_pattern == grammar_regex(SQL) and params.has_penalties and params.guides == ["guided_grammar"]
+    with pytest.raises(ValueError, match="guided_grammar and guided_regex cannot both be set"):
+        SamplingParams(guided_grammar=SQL, guided_regex="a")
+    with pytest.raises(ValueError, match="guided_grammar ends the output with EOS"):
+        SamplingParams(guided_grammar=SQL, min_tokens=2)
+    with pytest.raises(ValueError, match="guided_grammar: rule 'root' refers to 'x'"):
+        SamplingParams(guided_grammar="root ::= x")
