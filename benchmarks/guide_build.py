@@ -2,7 +2,7 @@
 
     python benchmarks/guide_build.py --out out/guide-build
 
-For each case, a pattern (or a JSON Schema, as its regex) and a sample answer in it: the guide's construction,
+For each case, a pattern (or a JSON Schema or GBNF grammar, as its regex) and a sample answer in it: the guide's construction,
 then the answer's tokens walked through it the way the engine does, each state's allowed tokens made on first
 reach (`RegexGuide.allowed`), then the same walk again with everything built. Also the vocabulary's trie
 (once per tokenizer) and the guide's memory. Writes results.json.
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from medusa.decoding.grammar import grammar_regex
 from medusa.decoding.json_schema import any_object_regex, schema_regex
 from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.token_guide import RegexGuide, VocabTrie
@@ -28,6 +29,19 @@ SMALL = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"t
 COUNTED = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 600},
                                             "confidence": {"enum": ["low", "medium", "high"]}},
            "required": ["answer", "confidence"]}
+SQL = """root ::= "SELECT " columns " FROM " name (" WHERE " name " = " value)? ";"
+columns ::= name | columns ", " name
+name ::= [a-z_]+
+value ::= [0-9]+ | "'" [^']* "'"
+"""
+JSON_GBNF = r"""root ::= object
+value ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+ws ::= | " " | "\n" [ \t]{0,20}
+"""
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank, while birds sing. "
 CASES = [("phone regex", r"\(\d{3}\) \d{3}-\d{4}", "(555) 123-4567"),
          ("small schema", schema_regex(SMALL), '{"name": "Felix the cat", "age": 12, "tags": ["cute", "fluffy"]}'),
@@ -35,7 +49,10 @@ CASES = [("phone regex", r"\(\d{3}\) \d{3}-\d{4}", "(555) 123-4567"),
                                              '"ok": true}'),
          ("maxLength 600, 200-character answer", schema_regex(COUNTED),
           '{"answer": "' + SENTENCE * 2 + '", "confidence": "high"}'),
-         (".*", ".*", "hello world, it's me")]
+         (".*", ".*", "hello world, it's me"),
+         ("SQL grammar", grammar_regex(SQL), "SELECT id, name FROM users WHERE name = 'Ann';"),
+         ("JSON grammar (GBNF, nests 4 deep)", grammar_regex(JSON_GBNF),
+          '{"name": "Felix", "info": {"age": 12, "likes": ["fish", "naps"]}, "ok": true}')]
 
 
 def walk(guide: RegexGuide, tokens: list[int]) -> tuple[float, float]:
@@ -61,7 +78,9 @@ def main() -> None:
     print(f"vocabulary trie: {result['trie_s']:.2f} s")
     for name, pattern, answer in CASES:
         start = time.perf_counter()
-        guide = RegexGuide(compile_regex(pattern), trie, [tokenizer.eos_token_id])
+        # as SamplingParams.guide_dfa compiles it: a grammar's pattern, written by our code, skips the `re` check
+        guide = RegexGuide(compile_regex(pattern, checked_by_re="grammar" not in name), trie,
+                           [tokenizer.eos_token_id])
         build = time.perf_counter() - start
         tokens = tokenizer.encode(answer, add_special_tokens=False)
         first, slowest = walk(guide, tokens)

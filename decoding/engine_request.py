@@ -12,7 +12,6 @@ import numpy as np
 
 from medusa.decoding.detokenizer import FinalDetokenizer, IncrementalDetokenizer
 from medusa.decoding.logits_processing import TokenRules
-from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.outputs import RequestStats, TokenLogprob
 from medusa.decoding.sampler import SamplingConfig, TokenSampler
 from medusa.decoding.sampling_params import SamplingParams
@@ -92,7 +91,7 @@ def token_rules(tokenizer: Any, params: SamplingParams, eos: set[int]) -> TokenR
     if pattern is not None:
         if not ends:
             raise ValueError("allowed_token_ids allows no end-of-sequence token: a guided output could not end")
-        guide = GuideProgress(RegexGuide.of(compile_regex(pattern), tokenizer, sorted(ends)))
+        guide = GuideProgress(RegexGuide.of(params.guide_dfa(), tokenizer, sorted(ends)))
     return TokenRules(tuple(sorted(w for w in words if w)), tuple(sorted(choices)), tuple(sorted(ends)), guide)
 
 

@@ -224,22 +224,40 @@ class _NFA:
                 self.eps[last].append(accept)
         else:  # repeat: lo copies, then hi - lo optional ones (or a loop)
             _, body, lo, hi = node
+            copies = self._copies(body, lo + (1 if hi is None else hi - lo))
             at = start
-            for _ in range(lo):
-                first, last = self.build(body)
+            for first, last in copies[:lo]:
                 self.eps[at].append(first)
                 at = last
             if hi is None:
-                first, last = self.build(body)
+                first, last = copies[-1]
                 self.eps[at] += [first, accept]
                 self.eps[last] += [first, accept]
             else:
-                for _ in range(hi - lo):
-                    first, last = self.build(body)
+                for first, last in copies[lo:]:
                     self.eps[at] += [first, accept]
                     at = last
                 self.eps[at].append(accept)
         return start, accept
+
+    def _copies(self, node: tuple, count: int) -> list[tuple[int, int]]:
+        """`count` unlinked fragments of `node`: the first built, the others copied from it with their states
+        shifted (a fragment's states are contiguous and its moves stay inside it until it is linked), which is
+        far cheaper than building each (grammars repeat large bodies, e.g. whitespace {0,20} inlined often)."""
+        if count == 0:
+            return []
+        base = len(self.eps)
+        first, last = self.build(node)
+        copies = [(first, last)]
+        if count == 1:
+            return copies
+        eps, edge = [list(e) for e in self.eps[base:]], self.edge[base:]
+        for _ in range(count - 1):
+            shift = len(self.eps) - base
+            self.eps += [[t + shift for t in e] for e in eps]
+            self.edge += [None if e is None else (e[0], e[1] + shift) for e in edge]
+            copies.append((first + shift, last + shift))
+        return copies
 
 
 class CharDFA:
@@ -295,13 +313,15 @@ class CharDFA:
 
 
 @functools.lru_cache(maxsize=64)
-def compile_regex(pattern: str) -> CharDFA:
+def compile_regex(pattern: str, checked_by_re: bool = True) -> CharDFA:
     """The DFA of `pattern` (cached: requests often share one). Raises ValueError naming guided_regex for a
-    pattern Python's `re` rejects or that uses what is not supported here."""
+    pattern Python's `re` rejects (checked_by_re=False: a pattern our own code wrote) or that uses what is not
+    supported here."""
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"guided_regex must be a non-empty string, got {pattern!r}")
-    try:
-        re.compile(pattern)
-    except re.error as error:
-        raise ValueError(f"guided_regex {pattern!r} is not a valid regular expression: {error}") from None
+    if checked_by_re:
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(f"guided_regex {pattern!r} is not a valid regular expression: {error}") from None
     return CharDFA(pattern)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from medusa.decoding.grammar import grammar_regex
 from medusa.decoding.json_schema import schema_regex
-from medusa.decoding.regex_dfa import compile_regex
+from medusa.decoding.regex_dfa import CharDFA, compile_regex
 from medusa.decoding.sampler import SamplingConfig
 
 
@@ -157,9 +157,14 @@ class SamplingParams:
     def guide_pattern(self) -> str | None:
         """The regex guided_regex, guided_json or guided_grammar holds the output's text to (ValueError, naming the
         field, for one that cannot be followed)."""
+        dfa = self.guide_dfa()
+        return None if dfa is None else dfa.pattern
+
+    def guide_dfa(self) -> CharDFA | None:
+        """The character DFA of guide_pattern (cached by pattern). A grammar's pattern is written by grammar.py in
+        the syntax the DFA reads, so it skips the check by Python's `re` (a third of a large grammar's compile)."""
         if self.guided_regex is not None:
-            compile_regex(self.guided_regex)
-            return self.guided_regex
+            return compile_regex(self.guided_regex)
         if self.guided_json is not None:
             field, pattern = "guided_json", schema_regex(self.guided_json)
         elif self.guided_grammar is not None:
@@ -167,11 +172,10 @@ class SamplingParams:
         else:
             return None
         try:
-            compile_regex(pattern)
+            return compile_regex(pattern, checked_by_re=field != "guided_grammar")
         except ValueError as err:  # e.g. a schema's string "pattern" the regex compiler cannot follow
             source = "schema" if field == "guided_json" else "grammar"
             raise ValueError(f"{field}: a pattern in the {source} cannot be followed ({err})") from None
-        return pattern
 
     @property
     def has_penalties(self) -> bool:

@@ -108,3 +108,17 @@ def test_sampling_params_follow_the_grammar_as_its_regex():
         SamplingParams(guided_grammar=SQL, min_tokens=2)
     with pytest.raises(ValueError, match="guided_grammar: rule 'root' refers to 'x'"):
         SamplingParams(guided_grammar="root ::= x")
+
+
+def test_a_grammars_pattern_is_compiled_without_pythons_re_check(monkeypatch):
+    """Our own code wrote it in the DFA's syntax: re.compile (a third of a large grammar's compile) is skipped, a
+    user's regex still gets it."""
+    import medusa.decoding.regex_dfa as regex_dfa
+
+    checked, real = [], regex_dfa.re.compile
+    monkeypatch.setattr(regex_dfa.re, "compile", lambda pattern: checked.append(pattern) or real(pattern))
+    grammar = 'root ::= "n" [0-9]{2,3} | "m"'
+    dfa = SamplingParams(guided_grammar=grammar).guide_dfa()
+    assert dfa.pattern == grammar_regex(grammar) and checked == []
+    SamplingParams(guided_regex="never-seen-before-(a|b)")
+    assert checked == ["never-seen-before-(a|b)"]
