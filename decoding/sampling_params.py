@@ -140,6 +140,10 @@ class SamplingParams:
         if self.guided_json is not None:
             schema = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
             object.__setattr__(self, "guided_json", schema)
+        for name in ("guided_regex", "guided_grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
         guides = self.guides
         if len(guides) > 1:
             raise ValueError(f"{guides[-1]} and {guides[0]} cannot both be set: give one guide")

@@ -265,6 +265,8 @@ def _guided(req: _SamplingRequest, tool_schema: dict | None = None) -> dict[str,
     for name, check in (("guided_regex", compile_regex), ("guided_json", schema_regex),
                         ("guided_grammar", grammar_regex)):
         if guides[name] is not None:
+            if name != "guided_json" and not isinstance(guides[name], str):
+                raise bad_request(f"{named[name]} must be a string", named[name])
             try:
                 check(guides[name])
             except ValueError as err:

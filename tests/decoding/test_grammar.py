@@ -122,3 +122,10 @@ def test_a_grammars_pattern_is_compiled_without_pythons_re_check(monkeypatch):
     assert dfa.pattern == grammar_regex(grammar) and checked == []
     SamplingParams(guided_regex="never-seen-before-(a|b)")
     assert checked == ["never-seen-before-(a|b)"]
+
+
+@pytest.mark.parametrize("field", ["guided_regex", "guided_grammar"])
+def test_a_guide_that_is_not_a_string_is_refused_naming_it(field):
+    for value in ([], 5, ""):
+        with pytest.raises(ValueError, match=f"{field} must be a non-empty string"):
+            SamplingParams(**{field: value})

@@ -4,6 +4,7 @@ and the server keeps serving afterwards (a fuzz over request bodies included).""
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
@@ -95,6 +96,8 @@ BAD = [
     (CHAT, chat(guided_json={"type": "integer", "minimum": 1}), 400, "guided_json"),
     (CHAT, chat(guided_json="{"), 400, "guided_json"),
     (CHAT, chat(guided_grammar="root ::= answer"), 400, "guided_grammar"),  # answer is not defined
+    (CHAT, chat(guided_regex=[]), 400, "guided_regex"),  # not a string (was a 500: unhashable in the cache)
+    (CHAT, chat(structured_outputs={"grammar": 5}), 400, "structured_outputs"),
     (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}), 400,
      "response_format"),
     (CHAT, chat(response_format={"type": "yaml"}), 400, "response_format"),
@@ -223,7 +226,10 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "top_logprobs", "ignore_eos", "min_tokens", "speculative", "echo", "stop_token_ids", "logit_bias",
           "repetition_penalty", "min_p", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
           "add_generation_prompt", "continue_final_message", "prompt_logprobs", "allowed_token_ids", "bad_words",
-          "guided_choice", "guided_regex", "guided_json", "structured_outputs", "response_format"]
+          "guided_choice", "guided_regex", "guided_json", "structured_outputs", "response_format", "guided_grammar",
+          "tools", "tool_choice", "parallel_tool_calls"]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "x": {"type": "integer"}}}}}
 # Plausible values mixed in, so the fuzz also reaches past the first validation error.
 plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3], ["a", "b"]]),
              "max_tokens": st.integers(-2, 6), "n": st.integers(0, 3), "temperature": st.floats(-1, 3),
@@ -236,7 +242,14 @@ plausible = {"messages": st.just(MSG), "prompt": st.sampled_from(["Hi", [1, 2, 3
              "guided_regex": st.sampled_from(["[0-9]+", "(yes|no)", "a(?=b)", "[", "", "x{2,1}"]),
              "guided_json": st.sampled_from([{"type": "integer"}, {"enum": ["a", 1]}, {"minimum": 1}, "{", []]),
              "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"},
-                                                 {"type": "json_schema", "json_schema": {"schema": {"type": "null"}}}])}
+                                                 {"type": "json_schema", "json_schema": {"schema": {"type": "null"}}}]),
+             "guided_grammar": st.sampled_from(['root ::= "a" | [0-9]+', "root ::= x", "start: 'a'", "root ::= (",
+                                                'root ::= "a" root | "b"', ""]),
+             "tools": st.sampled_from([[TOOL], [TOOL, TOOL], [{"type": "function", "function": {"name": "g"}}],
+                                       [{"type": "function", "function": {"name": "h", "parameters": {
+                                           "type": "object", "properties": {"n": {"minimum": 0}}}}}]]),
+             "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {
+                 "name": "f"}}, {"type": "function", "function": {"name": "zz"}}, {"type": "function"}])}
 
 
 @st.composite
@@ -247,7 +260,7 @@ def bodies(draw):
     return body
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 50)), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=bodies(), path=st.sampled_from([CHAT, COMP]))
 def test_fuzz_never_500(tiny_client, body, path):
     resp = post(tiny_client, path, body)
