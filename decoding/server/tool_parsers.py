@@ -103,12 +103,7 @@ class CallArray(ToolCallParser):
             if self.in_arguments or was_in:  # from the opening "{" to the closing "}" included
                 index = len(self.calls) - 1
                 added[index] = added.get(index, "") + char
-        deltas = []
-        for index, arguments in added.items():
-            if index in new:
-                self.calls[index]["arguments"] = ""
-            deltas.append(self._more(index, arguments, first=index in new))
-        return "", deltas
+        return "", [self._more(index, arguments, first=index in new) for index, arguments in added.items()]
 
     def _step(self, char: str) -> None:
         if self.in_string:
@@ -121,7 +116,7 @@ class CallArray(ToolCallParser):
             elif char == '"':
                 self.in_string = False
                 if self.depth == 2 and not self.in_arguments:
-                    self._string_done(json.loads('"' + self.string))
+                    self._string_done(_json_string('"' + self.string))
             return
         if char == '"':
             self.in_string, self.string = True, ""
@@ -243,6 +238,14 @@ def _json_calls(text: str) -> list[tuple[str, str]] | None:
         if not rest.startswith(";"):
             return None
         at = len(text) - len(rest[1:].lstrip())
+
+
+def _json_string(text: str) -> str:
+    """A JSON string literal's value (the text between the quotes where it does not parse)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text[1:-1]
 
 
 def _partial_suffix(text: str, marker: str) -> int:
