@@ -2,10 +2,10 @@
 
     python benchmarks/guide_build.py --out out/guide-build
 
-For each case, a pattern (or a JSON Schema or GBNF grammar, as its regex) and a sample answer in it: the guide's construction,
-then the answer's tokens walked through it the way the engine does, each state's allowed tokens made on first
-reach (`RegexGuide.allowed`), then the same walk again with everything built. Also the vocabulary's trie
-(once per tokenizer) and the guide's memory. Writes results.json.
+For each case, a pattern (or a JSON Schema, as its regex, or a GBNF grammar) and a sample answer in it: the
+guide's construction, then the answer's tokens walked through it the way the engine does, each state's allowed
+tokens made on first reach (`RegexGuide.allowed`), then the same walk again with everything built. Also the
+vocabulary's trie (once per tokenizer) and the guide's memory. Writes results.json.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from medusa.decoding.grammar import grammar_regex
+from medusa.decoding.grammar import grammar_dfa
 from medusa.decoding.json_schema import any_object_regex, schema_regex
 from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.token_guide import RegexGuide, VocabTrie
@@ -50,9 +50,10 @@ CASES = [("phone regex", r"\(\d{3}\) \d{3}-\d{4}", "(555) 123-4567"),
          ("maxLength 600, 200-character answer", schema_regex(COUNTED),
           '{"answer": "' + SENTENCE * 2 + '", "confidence": "high"}'),
          (".*", ".*", "hello world, it's me"),
-         ("SQL grammar", grammar_regex(SQL), "SELECT id, name FROM users WHERE name = 'Ann';"),
-         ("JSON grammar (GBNF, nests 4 deep)", grammar_regex(JSON_GBNF),
+         ("SQL grammar", SQL, "SELECT id, name FROM users WHERE name = 'Ann';"),
+         ("JSON grammar (GBNF, nests 4 deep)", JSON_GBNF,
           '{"name": "Felix", "info": {"age": 12, "likes": ["fish", "naps"]}, "ok": true}')]
+GRAMMARS = ("SQL grammar", "JSON grammar (GBNF, nests 4 deep)")  # their "pattern" is the grammar
 
 
 def walk(guide: RegexGuide, tokens: list[int]) -> tuple[float, float]:
@@ -78,9 +79,9 @@ def main() -> None:
     print(f"vocabulary trie: {result['trie_s']:.2f} s")
     for name, pattern, answer in CASES:
         start = time.perf_counter()
-        # as SamplingParams.guide_dfa compiles it: a grammar's pattern, written by our code, skips the `re` check
-        guide = RegexGuide(compile_regex(pattern, checked_by_re="grammar" not in name), trie,
-                           [tokenizer.eos_token_id])
+        # as SamplingParams.guide_dfa makes it: a grammar's DFA from its rules as terms, others from the pattern
+        dfa = grammar_dfa(pattern) if name in GRAMMARS else compile_regex(pattern)
+        guide = RegexGuide(dfa, trie, [tokenizer.eos_token_id])
         build = time.perf_counter() - start
         tokens = tokenizer.encode(answer, add_special_tokens=False)
         first, slowest = walk(guide, tokens)

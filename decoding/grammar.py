@@ -1,4 +1,4 @@
-"""A GBNF grammar as a regular expression, for guided decoding (`guided_grammar`).
+"""A GBNF grammar as a regular language, for guided decoding (`guided_grammar`).
 
 vLLM takes grammars in GBNF, the EBNF of llama.cpp and xgrammar:
 
@@ -12,7 +12,10 @@ output must match `root` whole. Expressions: "strings" (or 'strings') with
 negation), `.` (any character), rule names, ( groups ), alternatives |, and
 * + ? {m} {m,} {m,n}.
 
-A grammar is followed as a regex, which cannot count nesting, so recursion is
+The guide follows a grammar by a DFA made on demand from its rules as shared
+terms (`grammar_dfa`, `term_dfa`: each rule built once however often it is
+used); `grammar_regex` writes the same language as one regex (its key, and
+for reading). Either is regular, so it cannot count nesting: recursion is
 rewritten where it only repeats: a rule whose recursive alternatives all start
 with it (`list ::= list "," item | item`) or all end with it (`digits ::=
 [0-9] digits | [0-9]`) becomes a repetition and loses nothing. Any other
@@ -26,6 +29,10 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from typing import Any
+
+from medusa.decoding.regex_dfa import _Parser as _RegexParser
+from medusa.decoding.term_dfa import EPS, TermDFA, Terms, term_of
 
 MAX_NESTING = 4  # a recursive rule inside itself, at most this deep (beyond what is rewritten as repetition)
 MAX_PATTERN = 200_000  # characters: a grammar that unrolls to more is refused
@@ -52,23 +59,43 @@ class _Token:
 def grammar_regex(grammar: str) -> str:
     """The regex of the texts `grammar`'s root rule matches (see the module doc for what nests how deep).
     ValueError, naming guided_grammar and where, for a grammar that cannot be read or followed."""
+    _check_text(grammar)
+    return _grammar_regex(grammar)
+
+
+def grammar_dfa(grammar: str) -> TermDFA:
+    """The grammar's DFA, made on demand from its rules as shared terms (`term_dfa`): no 100,000-character
+    pattern to compile, whatever the rules inline. Its `pattern` is grammar_regex's (the guide's cache key)."""
+    _check_text(grammar)
+    return _grammar_dfa(grammar)
+
+
+def _check_text(grammar: str) -> None:
     if not isinstance(grammar, str) or not grammar.strip():
         raise ValueError("guided_grammar must be a non-empty GBNF grammar (rules as name ::= expression)")
     if "::=" not in grammar and re.search(r"^\s*[?!]?\w+(\.\d+)?\s*:", grammar, re.MULTILINE):
         raise ValueError("guided_grammar: expected GBNF rules (name ::= expression); Lark grammars are not supported")
-    return _grammar_regex(grammar)
+
+
+@functools.lru_cache(maxsize=32)
+def _rules(grammar: str) -> dict[str, tuple]:
+    """The grammar's rules, each with its direct left or right recursion as a repetition."""
+    rules = _Reader(grammar).rules()
+    if "root" not in rules:
+        raise ValueError("guided_grammar has no root rule (the output matches `root ::= ...`)")
+    return {name: _unloop(name, body) for name, body in rules.items()}
 
 
 @functools.lru_cache(maxsize=32)
 def _grammar_regex(grammar: str) -> str:
-    rules = _Reader(grammar).rules()
-    if "root" not in rules:
-        raise ValueError("guided_grammar has no root rule (the output matches `root ::= ...`)")
-    rules = {name: _unloop(name, body) for name, body in rules.items()}
-    pattern = _Emitter(rules).rule("root", ())
-    if pattern is None:
-        raise ValueError(f"guided_grammar: root cannot end within {MAX_NESTING} levels of nesting")
-    return pattern or "()"  # the empty text: a pattern the regex compiler takes
+    return _Emitter(_rules(grammar), _Regex()).root()
+
+
+@functools.lru_cache(maxsize=32)
+def _grammar_dfa(grammar: str) -> TermDFA:
+    terms = Terms()
+    root = _Emitter(_rules(grammar), _TermBuilder(terms)).root()
+    return TermDFA(terms, root, _grammar_regex(grammar))
 
 
 class _Reader:
@@ -266,47 +293,113 @@ def _unloop(name: str, body: tuple) -> tuple:
     return body
 
 
+class _Regex:
+    """Builds the grammar as regex text."""
+
+    empty = ""
+
+    @staticmethod
+    def text(text: str) -> str:
+        return "".join(_text_char(c) for c in text)
+
+    @staticmethod
+    def klass(pattern: str) -> str:
+        return pattern
+
+    @staticmethod
+    def group(inner: str) -> str:
+        return f"({inner})"
+
+    @staticmethod
+    def cat(parts: list[str]) -> str:
+        return "".join(parts)
+
+    @staticmethod
+    def alt(parts: list[str]) -> str:
+        return "(" + "|".join(parts) + ")"
+
+    @staticmethod
+    def repeat(inner: str, lo: int, hi: int | None) -> str:
+        return f"({inner}){_bounds(lo, hi)}"
+
+    @staticmethod
+    def check(pattern: str) -> None:
+        if len(pattern) > MAX_PATTERN:
+            raise ValueError(f"guided_grammar unrolls to a pattern over {MAX_PATTERN} characters: its recursion "
+                             f"nests too widely (each recursive rule unrolls {MAX_NESTING} deep)")
+
+
+class _TermBuilder:
+    """Builds the grammar as shared terms: a rule's term is made once and every use refers to it."""
+
+    empty = EPS
+
+    def __init__(self, terms: Terms) -> None:
+        self.terms = terms
+        self.text = terms.text
+        self.cat = terms.seq
+        self.alt = terms.alt
+        self.repeat = terms.rep
+
+    def klass(self, pattern: str) -> int:
+        return term_of(self.terms, _RegexParser(pattern).parse())
+
+    @staticmethod
+    def group(inner: int) -> int:
+        return inner
+
+    @staticmethod
+    def check(term: int) -> None:
+        pass
+
+
 class _Emitter:
-    """Rules inlined into one regex; a rule already MAX_NESTING times on the expansion's path is a dead end (None).
-    A rule's regex depends only on how often each recursive rule is on the path, so it is cached by that."""
+    """Rules inlined into one regex (or term); a rule already MAX_NESTING times on the expansion's path is a dead
+    end (None). A rule's result depends only on how often each recursive rule is on the path, so it is cached by
+    that: made once however often the rule is used."""
 
-    def __init__(self, rules: dict[str, tuple]) -> None:
-        self.rules = rules
+    def __init__(self, rules: dict[str, tuple], builder: Any) -> None:
+        self.rules, self.out = rules, builder
         self.recursive = sorted(name for name in rules if name in _reachable(rules, name))
-        self.cache: dict[tuple, str | None] = {}
+        self.cache: dict[tuple, Any] = {}
 
-    def rule(self, name: str, path: tuple[str, ...]) -> str | None:
+    def root(self) -> Any:
+        result = self.rule("root", ())
+        if result is None:
+            raise ValueError(f"guided_grammar: root cannot end within {MAX_NESTING} levels of nesting")
+        return result if result != "" else "()"  # the empty text: a pattern the regex compiler takes
+
+    def rule(self, name: str, path: tuple[str, ...]) -> Any:
         if path.count(name) >= MAX_NESTING:
             return None
         key = (name, tuple(path.count(r) for r in self.recursive))
         if key not in self.cache:
-            pattern = self.node(self.rules[name], path + (name,))
-            if pattern is not None and len(pattern) > MAX_PATTERN:
-                raise ValueError(f"guided_grammar unrolls to a pattern over {MAX_PATTERN} characters: its "
-                                 f"recursion nests too widely (each recursive rule unrolls {MAX_NESTING} deep)")
-            self.cache[key] = pattern
+            result = self.node(self.rules[name], path + (name,))
+            if result is not None:
+                self.out.check(result)
+            self.cache[key] = result
         return self.cache[key]
 
-    def node(self, node: tuple, path: tuple[str, ...]) -> str | None:
-        kind = node[0]
+    def node(self, node: tuple, path: tuple[str, ...]) -> Any:
+        kind, out = node[0], self.out
         if kind == "text":
-            return "".join(_text_char(c) for c in node[1])
+            return out.text(node[1])
         if kind == "class":
-            return node[1]
+            return out.klass(node[1])
         if kind == "ref":
             inner = self.rule(node[1], path)
-            return None if inner is None else f"({inner})"
+            return None if inner is None else out.group(inner)
         if kind == "cat":
             parts = [self.node(item, path) for item in node[1]]
-            return None if None in parts else "".join(parts)
+            return None if any(p is None for p in parts) else out.cat(parts)
         if kind == "alt":
             parts = [p for p in (self.node(item, path) for item in node[1]) if p is not None]
-            return None if not parts else "(" + "|".join(parts) + ")"
+            return None if not parts else out.alt(parts)
         _, inner, lo, hi = node
-        pattern = self.node(inner, path)
-        if pattern is None:
-            return None if lo > 0 else ""
-        return f"({pattern}){_bounds(lo, hi)}"
+        result = self.node(inner, path)
+        if result is None:
+            return None if lo > 0 else out.empty
+        return out.repeat(result, lo, hi)
 
 
 def _bounds(lo: int, hi: int | None) -> str:

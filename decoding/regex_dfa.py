@@ -260,28 +260,34 @@ class _NFA:
         return copies
 
 
-class CharDFA:
-    """The pattern's DFA, built on demand: `start`, `step(state, char) -> state or DEAD`, `accepts(state)`."""
+class LazyDFA:
+    """A DFA whose states (sets of members: NFA states, or terms) and moves are made on first use: `start`,
+    `step(state, char) -> state or DEAD`, `walk`, `accepts(state)`. Subclasses say how a set moves on a character
+    and whether it accepts."""
 
     def __init__(self, pattern: str) -> None:
         self.pattern = pattern
-        self._nfa = _NFA()
-        first, self._final = self._nfa.build(_Parser(pattern).parse())
         self._ids: dict[frozenset[int], int] = {}
         self._sets: list[frozenset[int]] = []
         self._moves: list[dict[str, int]] = []
-        self.start = self._intern(self._closure([first]))
+        self._accepts: list[bool] = []
 
     def char_sets(self) -> list[CharSet]:
-        """The distinct character sets of the NFA's edges: two characters in the same ones move the DFA alike."""
-        return list(dict.fromkeys(edge[0] for edge in self._nfa.edge if edge is not None))
+        """The distinct character sets of the pattern: two characters in the same ones move the DFA alike."""
+        raise NotImplementedError
+
+    def _move(self, members: frozenset[int], char: str) -> frozenset[int]:
+        raise NotImplementedError
+
+    def _accepting(self, members: frozenset[int]) -> bool:
+        raise NotImplementedError
 
     def step(self, state: int, char: str) -> int:
         moves = self._moves[state]
         target = moves.get(char)
         if target is None:
-            reached = [edge[1] for s in self._sets[state] if (edge := self._nfa.edge[s]) and char in edge[0]]
-            target = self._intern(self._closure(reached)) if reached else DEAD
+            reached = self._move(self._sets[state], char)
+            target = self._intern(reached) if reached else DEAD
             moves[char] = target
         return target
 
@@ -293,7 +299,35 @@ class CharDFA:
         return state
 
     def accepts(self, state: int) -> bool:
-        return state != DEAD and self._final in self._sets[state]
+        return state != DEAD and self._accepts[state]
+
+    def _intern(self, members: frozenset[int]) -> int:
+        if members not in self._ids:
+            self._ids[members] = len(self._sets)
+            self._sets.append(members)
+            self._moves.append({})
+            self._accepts.append(self._accepting(members))
+        return self._ids[members]
+
+
+class CharDFA(LazyDFA):
+    """The pattern's DFA over its Thompson NFA (built whole): a state is a set of NFA states."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__(pattern)
+        self._nfa = _NFA()
+        first, self._final = self._nfa.build(_Parser(pattern).parse())
+        self.start = self._intern(self._closure([first]))
+
+    def char_sets(self) -> list[CharSet]:
+        return list(dict.fromkeys(edge[0] for edge in self._nfa.edge if edge is not None))
+
+    def _move(self, members: frozenset[int], char: str) -> frozenset[int]:
+        reached = [edge[1] for s in members if (edge := self._nfa.edge[s]) and char in edge[0]]
+        return self._closure(reached) if reached else frozenset()
+
+    def _accepting(self, members: frozenset[int]) -> bool:
+        return self._final in members
 
     def _closure(self, states: list[int]) -> frozenset[int]:
         seen, stack = set(states), list(states)
@@ -304,24 +338,15 @@ class CharDFA:
                     stack.append(nxt)
         return frozenset(seen)
 
-    def _intern(self, states: frozenset[int]) -> int:
-        if states not in self._ids:
-            self._ids[states] = len(self._sets)
-            self._sets.append(states)
-            self._moves.append({})
-        return self._ids[states]
-
 
 @functools.lru_cache(maxsize=64)
-def compile_regex(pattern: str, checked_by_re: bool = True) -> CharDFA:
+def compile_regex(pattern: str) -> CharDFA:
     """The DFA of `pattern` (cached: requests often share one). Raises ValueError naming guided_regex for a
-    pattern Python's `re` rejects (checked_by_re=False: a pattern our own code wrote) or that uses what is not
-    supported here."""
+    pattern Python's `re` rejects or that uses what is not supported here."""
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"guided_regex must be a non-empty string, got {pattern!r}")
-    if checked_by_re:
-        try:
-            re.compile(pattern)
-        except re.error as error:
-            raise ValueError(f"guided_regex {pattern!r} is not a valid regular expression: {error}") from None
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"guided_regex {pattern!r} is not a valid regular expression: {error}") from None
     return CharDFA(pattern)

@@ -6,9 +6,9 @@ import json
 import numbers
 from dataclasses import dataclass, field
 
-from medusa.decoding.grammar import grammar_regex
+from medusa.decoding.grammar import grammar_dfa
 from medusa.decoding.json_schema import schema_regex
-from medusa.decoding.regex_dfa import CharDFA, compile_regex
+from medusa.decoding.regex_dfa import LazyDFA, compile_regex
 from medusa.decoding.sampler import SamplingConfig
 
 
@@ -164,22 +164,19 @@ class SamplingParams:
         dfa = self.guide_dfa()
         return None if dfa is None else dfa.pattern
 
-    def guide_dfa(self) -> CharDFA | None:
-        """The character DFA of guide_pattern (cached by pattern). A grammar's pattern is written by grammar.py in
-        the syntax the DFA reads, so it skips the check by Python's `re` (a third of a large grammar's compile)."""
+    def guide_dfa(self) -> LazyDFA | None:
+        """The character DFA the output's text follows (cached by pattern or grammar): a regex's or schema's over
+        its NFA, a grammar's over its rules as shared terms (`grammar.grammar_dfa`)."""
         if self.guided_regex is not None:
             return compile_regex(self.guided_regex)
-        if self.guided_json is not None:
-            field, pattern = "guided_json", schema_regex(self.guided_json)
-        elif self.guided_grammar is not None:
-            field, pattern = "guided_grammar", grammar_regex(self.guided_grammar)
-        else:
+        if self.guided_grammar is not None:
+            return grammar_dfa(self.guided_grammar)
+        if self.guided_json is None:
             return None
         try:
-            return compile_regex(pattern, checked_by_re=field != "guided_grammar")
-        except ValueError as err:  # e.g. a schema's string "pattern" the regex compiler cannot follow
-            source = "schema" if field == "guided_json" else "grammar"
-            raise ValueError(f"{field}: a pattern in the {source} cannot be followed ({err})") from None
+            return compile_regex(schema_regex(self.guided_json))
+        except ValueError as err:  # a string "pattern" in the schema the regex compiler cannot follow
+            raise ValueError(f"guided_json: a pattern in the schema cannot be followed ({err})") from None
 
     @property
     def has_penalties(self) -> bool:

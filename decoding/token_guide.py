@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from medusa.decoding import byte_level
-from medusa.decoding.regex_dfa import DEAD, CharDFA
+from medusa.decoding.regex_dfa import DEAD, LazyDFA
 
 _END = ""  # the trie key under which a node lists the token ids whose text ends there
 MAX_FORCED = 16  # forced tokens proposed at most (a lookup chain is shorter)
@@ -85,7 +85,7 @@ class RegexGuide:
     """A pattern's DFA over one vocabulary: `allowed(state)` -> bool mask [V] (ends included where the state
     accepts), `advance(state, token)` -> the state after the token (DEAD if it was not allowed)."""
 
-    def __init__(self, dfa: CharDFA, trie: VocabTrie, ends: Sequence[int]) -> None:
+    def __init__(self, dfa: LazyDFA, trie: VocabTrie, ends: Sequence[int]) -> None:
         self.dfa, self.trie, self.ends = dfa, trie, tuple(ends)
         self._walk = _ClassWalk(dfa, trie)
         self._next: dict[int, np.ndarray] = {}  # state -> [V] the state after each token (DEAD: not allowed)
@@ -93,7 +93,7 @@ class RegexGuide:
         self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     @classmethod
-    def of(cls, dfa: CharDFA, tokenizer: Any, ends: Sequence[int]) -> RegexGuide:
+    def of(cls, dfa: LazyDFA, tokenizer: Any, ends: Sequence[int]) -> RegexGuide:
         trie = VocabTrie.of(tokenizer)
         key = (id(trie), dfa.pattern, tuple(ends))
         if key not in _guides:
@@ -182,7 +182,7 @@ class _ClassWalk:
     character position, the DFA's moves by class in a table filled on first use. A state costs about the same
     whether few tokens live in it or most do (inside a JSON string, counted by maxLength or not)."""
 
-    def __init__(self, dfa: CharDFA, trie: VocabTrie) -> None:
+    def __init__(self, dfa: LazyDFA, trie: VocabTrie) -> None:
         self.dfa = dfa
         sets = dfa.char_sets()
         ids: dict[tuple[bool, ...], int] = {}

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from medusa.decoding.grammar import MAX_NESTING, grammar_regex
+from medusa.decoding.grammar import MAX_NESTING, grammar_dfa, grammar_regex
 from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.sampling_params import SamplingParams
 
@@ -35,10 +35,13 @@ ws ::= | " " | "\n" [ \t]{0,20}
 
 
 def matches(grammar: str, text: str) -> bool:
-    """Whether the grammar's regex matches the whole text (the guide's compiler takes the regex too)."""
+    """Whether the grammar's regex matches the whole text, which its DFA (the guide's, made from the rules as
+    terms) and the regex's own DFA must agree with."""
     pattern = grammar_regex(grammar)
-    compile_regex(pattern)
-    return re.fullmatch(pattern, text) is not None
+    whole = re.fullmatch(pattern, text) is not None
+    for dfa in (grammar_dfa(grammar), compile_regex(pattern)):
+        assert dfa.accepts(dfa.walk(dfa.start, text)) == whole, (type(dfa).__name__, text)
+    return whole
 
 
 @pytest.mark.parametrize("grammar,good,bad", [
@@ -110,18 +113,18 @@ def test_sampling_params_follow_the_grammar_as_its_regex():
         SamplingParams(guided_grammar="root ::= x")
 
 
-def test_a_grammars_pattern_is_compiled_without_pythons_re_check(monkeypatch):
-    """Our own code wrote it in the DFA's syntax: re.compile (a third of a large grammar's compile) is skipped, a
-    user's regex still gets it."""
+def test_a_grammar_follows_its_rules_as_shared_terms_not_its_pattern(monkeypatch):
+    """A grammar's DFA is made from its rules (each rule's term once, however often used), so the JSON grammar's
+    100,000-character pattern is never compiled, and it accepts what the pattern matches."""
     import medusa.decoding.regex_dfa as regex_dfa
 
-    checked, real = [], regex_dfa.re.compile
-    monkeypatch.setattr(regex_dfa.re, "compile", lambda pattern: checked.append(pattern) or real(pattern))
-    grammar = 'root ::= "n" [0-9]{2,3} | "m"'
-    dfa = SamplingParams(guided_grammar=grammar).guide_dfa()
-    assert dfa.pattern == grammar_regex(grammar) and checked == []
-    SamplingParams(guided_regex="never-seen-before-(a|b)")
-    assert checked == ["never-seen-before-(a|b)"]
+    compiled = []
+    monkeypatch.setattr(regex_dfa, "CharDFA", lambda pattern: compiled.append(pattern))
+    dfa = SamplingParams(guided_grammar=JSON).guide_dfa()
+    assert compiled == [] and dfa.pattern == grammar_regex(JSON) and len(dfa.terms.nodes) < 1000
+    for text in ['{"a": [1, {"b": "x\\n"}], "c": true}', "{}", '{"k": -0.5e3 }', '{"a": }', "[1]", '{"a": 01}',
+                 '{"a": {"b": {"c": {"d": 1}}}}', '{"a": {"b": {"c": {"d": {"e": 1}}}}}']:
+        assert dfa.accepts(dfa.walk(dfa.start, text)) == bool(re.fullmatch(dfa.pattern, text)), text
 
 
 @pytest.mark.parametrize("field", ["guided_regex", "guided_grammar"])
@@ -129,3 +132,29 @@ def test_a_guide_that_is_not_a_string_is_refused_naming_it(field):
     for value in ([], 5, ""):
         with pytest.raises(ValueError, match=f"{field} must be a non-empty string"):
             SamplingParams(**{field: value})
+
+
+NESTED = 'root ::= list\nlist ::= list "," item | item\nitem ::= [a-c]+ | "[" list "]"'
+
+
+@pytest.mark.parametrize("grammar", [SQL, JSON, NESTED, 'root ::= ("ab" | "a")* "b"? [^a]{0,3}'])
+def test_the_term_dfa_and_the_regex_dfa_agree_on_every_prefix(grammar):
+    """The guide asks whether a text can still become a match (not DEAD) and whether it is one: on random walks
+    over the grammar's own characters, mostly ones that keep the text alive, the terms' DFA answers as the
+    regex's NFA-based one does."""
+    import random
+
+    from medusa.decoding.regex_dfa import DEAD
+
+    rng = random.Random(0)
+    alphabet = sorted(set(re.sub(r"[\s#].*", "", grammar) + ' "{}[],:0123456789abcSELECTtrue'))
+    terms, regex = grammar_dfa(grammar), compile_regex(grammar_regex(grammar))
+    for _ in range(200):
+        a, b = terms.start, regex.start
+        for _ in range(rng.randint(1, 40)):  # mostly characters that keep the text alive, so walks go deep
+            live = [c for c in alphabet if regex.step(b, c) != DEAD]
+            char = rng.choice(live if live and rng.random() < 0.9 else alphabet)
+            a, b = terms.step(a, char), regex.step(b, char)
+            assert (a == DEAD) == (b == DEAD) and terms.accepts(a) == regex.accepts(b)
+            if a == DEAD:
+                break
