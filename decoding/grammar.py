@@ -14,14 +14,15 @@ negation), `.` (any character), rule names, ( groups ), alternatives |, and
 
 The guide follows a grammar by a DFA made on demand from its rules as shared
 terms (`grammar_dfa`, `term_dfa`: each rule built once however often it is
-used); `grammar_regex` writes the same language as one regex (its key, and
-for reading). Either is regular, so it cannot count nesting: recursion is
-rewritten where it only repeats: a rule whose recursive alternatives all start
+used); `grammar_regex` writes the language as one regex, for reading and
+tests (its size grows fast with nesting: it unrolls REGEX_NESTING deep).
+Either is regular, so it cannot count nesting: recursion is rewritten where it
+only repeats: a rule whose recursive alternatives all start
 with it (`list ::= list "," item | item`) or all end with it (`digits ::=
 [0-9] digits | [0-9]`) becomes a repetition and loses nothing. Any other
 recursion (`value ::= "[" value "]" | "x"`, mutual recursion) nests at most
-MAX_NESTING deep, as guided_json's schema-free values do; past that, only a
-rule's other alternatives remain. Lark grammars (`rule: ...`) are refused.
+MAX_NESTING deep in the guide (as guided_json's schema-free values nest 3);
+past that, only a rule's other alternatives remain. Lark grammars (`rule: ...`) are refused.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from typing import Any
 from medusa.decoding.regex_dfa import _Parser as _RegexParser
 from medusa.decoding.term_dfa import EPS, TermDFA, Terms, term_of
 
-MAX_NESTING = 4  # a recursive rule inside itself, at most this deep (beyond what is rewritten as repetition)
-MAX_PATTERN = 200_000  # characters: a grammar that unrolls to more is refused
+MAX_NESTING = 10  # the guide's: a recursive rule inside itself at most this deep (past what becomes repetition)
+REGEX_NESTING = 4  # grammar_regex's: a 4-deep JSON grammar is a 129,000-character pattern already
+MAX_PATTERN = 200_000  # characters: a grammar whose regex unrolls to more is refused (grammar_regex)
+MAX_UNROLLED = 50_000  # rule copies (a rule at each count of the recursive rules on its path): more is refused
 _TOKEN = re.compile(r"""
     (?P<space>\s+|\#[^\n]*)
   | (?P<define>::=)
@@ -56,18 +59,19 @@ class _Token:
     at: int  # offset in the grammar
 
 
-def grammar_regex(grammar: str) -> str:
-    """The regex of the texts `grammar`'s root rule matches (see the module doc for what nests how deep).
-    ValueError, naming guided_grammar and where, for a grammar that cannot be read or followed."""
+def grammar_regex(grammar: str, nesting: int = REGEX_NESTING) -> str:
+    """The regex of the texts `grammar`'s root rule matches, recursion unrolled `nesting` deep (see the module
+    doc). ValueError, naming guided_grammar and where, for a grammar that cannot be read or followed."""
     _check_text(grammar)
-    return _grammar_regex(grammar)
+    return _grammar_regex(grammar, nesting)
 
 
-def grammar_dfa(grammar: str) -> TermDFA:
-    """The grammar's DFA, made on demand from its rules as shared terms (`term_dfa`): no 100,000-character
-    pattern to compile, whatever the rules inline. Its `pattern` is grammar_regex's (the guide's cache key)."""
+def grammar_dfa(grammar: str, nesting: int = MAX_NESTING) -> TermDFA:
+    """The grammar's DFA, made on demand from its rules as shared terms (`term_dfa`), recursion unrolled
+    `nesting` deep: no pattern to compile, whatever the rules inline. Its `pattern`, the guide's cache key, is
+    "guided_grammar:" and the grammar."""
     _check_text(grammar)
-    return _grammar_dfa(grammar)
+    return _grammar_dfa(grammar, nesting)
 
 
 def _check_text(grammar: str) -> None:
@@ -87,15 +91,15 @@ def _rules(grammar: str) -> dict[str, tuple]:
 
 
 @functools.lru_cache(maxsize=32)
-def _grammar_regex(grammar: str) -> str:
-    return _Emitter(_rules(grammar), _Regex()).root()
+def _grammar_regex(grammar: str, nesting: int) -> str:
+    return _Emitter(_rules(grammar), _Regex(nesting), nesting).root()
 
 
 @functools.lru_cache(maxsize=32)
-def _grammar_dfa(grammar: str) -> TermDFA:
+def _grammar_dfa(grammar: str, nesting: int) -> TermDFA:
     terms = Terms()
-    root = _Emitter(_rules(grammar), _TermBuilder(terms)).root()
-    return TermDFA(terms, root, _grammar_regex(grammar))
+    root = _Emitter(_rules(grammar), _TermBuilder(terms), nesting).root()
+    return TermDFA(terms, root, f"guided_grammar:{nesting}:{grammar}")
 
 
 class _Reader:
@@ -298,6 +302,9 @@ class _Regex:
 
     empty = ""
 
+    def __init__(self, nesting: int) -> None:
+        self.nesting = nesting
+
     @staticmethod
     def text(text: str) -> str:
         return "".join(_text_char(c) for c in text)
@@ -322,11 +329,10 @@ class _Regex:
     def repeat(inner: str, lo: int, hi: int | None) -> str:
         return f"({inner}){_bounds(lo, hi)}"
 
-    @staticmethod
-    def check(pattern: str) -> None:
+    def check(self, pattern: str) -> None:
         if len(pattern) > MAX_PATTERN:
             raise ValueError(f"guided_grammar unrolls to a pattern over {MAX_PATTERN} characters: its recursion "
-                             f"nests too widely (each recursive rule unrolls {MAX_NESTING} deep)")
+                             f"nests too widely (each recursive rule unrolls {self.nesting} deep)")
 
 
 class _TermBuilder:
@@ -354,26 +360,29 @@ class _TermBuilder:
 
 
 class _Emitter:
-    """Rules inlined into one regex (or term); a rule already MAX_NESTING times on the expansion's path is a dead
+    """Rules inlined into one regex (or term); a rule already `nesting` times on the expansion's path is a dead
     end (None). A rule's result depends only on how often each recursive rule is on the path, so it is cached by
     that: made once however often the rule is used."""
 
-    def __init__(self, rules: dict[str, tuple], builder: Any) -> None:
-        self.rules, self.out = rules, builder
+    def __init__(self, rules: dict[str, tuple], builder: Any, nesting: int) -> None:
+        self.rules, self.out, self.nesting = rules, builder, nesting
         self.recursive = sorted(name for name in rules if name in _reachable(rules, name))
         self.cache: dict[tuple, Any] = {}
 
     def root(self) -> Any:
         result = self.rule("root", ())
         if result is None:
-            raise ValueError(f"guided_grammar: root cannot end within {MAX_NESTING} levels of nesting")
+            raise ValueError(f"guided_grammar: root cannot end within {self.nesting} levels of nesting")
         return result if result != "" else "()"  # the empty text: a pattern the regex compiler takes
 
     def rule(self, name: str, path: tuple[str, ...]) -> Any:
-        if path.count(name) >= MAX_NESTING:
+        if path.count(name) >= self.nesting:
             return None
         key = (name, tuple(path.count(r) for r in self.recursive))
         if key not in self.cache:
+            if len(self.cache) >= MAX_UNROLLED:
+                raise ValueError(f"guided_grammar unrolls to over {MAX_UNROLLED} rule copies: its rules recurse "
+                                 f"into each other too widely to follow {self.nesting} deep")
             result = self.node(self.rules[name], path + (name,))
             if result is not None:
                 self.out.check(result)

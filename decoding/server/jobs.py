@@ -23,7 +23,7 @@ from jinja2 import TemplateError
 
 from medusa.chat import chat_prompt_ids
 from medusa.decoding.engine import EngineConfig
-from medusa.decoding.grammar import grammar_regex
+from medusa.decoding.grammar import grammar_dfa
 from medusa.decoding.json_schema import schema_regex
 from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.sampling_params import SamplingParams
@@ -263,7 +263,7 @@ def _guided(req: _SamplingRequest, tool_schema: dict | None = None) -> dict[str,
                           named["guided_choice"])
     guides["guided_choice"] = tuple(choice or ())
     for name, check in (("guided_regex", compile_regex), ("guided_json", schema_regex),
-                        ("guided_grammar", grammar_regex)):
+                        ("guided_grammar", grammar_dfa)):
         if guides[name] is not None:
             if name != "guided_json" and not isinstance(guides[name], str):
                 raise bad_request(f"{named[name]} must be a string", named[name])

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from medusa.decoding.grammar import MAX_NESTING, grammar_dfa, grammar_regex
+from medusa.decoding.grammar import MAX_NESTING, REGEX_NESTING, grammar_dfa, grammar_regex
 from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.sampling_params import SamplingParams
 
@@ -34,12 +34,12 @@ ws ::= | " " | "\n" [ \t]{0,20}
 '''
 
 
-def matches(grammar: str, text: str) -> bool:
+def matches(grammar: str, text: str, nesting: int = REGEX_NESTING) -> bool:
     """Whether the grammar's regex matches the whole text, which its DFA (the guide's, made from the rules as
-    terms) and the regex's own DFA must agree with."""
-    pattern = grammar_regex(grammar)
+    terms) and the regex's own DFA must agree with, all unrolled `nesting` deep."""
+    pattern = grammar_regex(grammar, nesting)
     whole = re.fullmatch(pattern, text) is not None
-    for dfa in (grammar_dfa(grammar), compile_regex(pattern)):
+    for dfa in (grammar_dfa(grammar, nesting), compile_regex(pattern)):
         assert dfa.accepts(dfa.walk(dfa.start, text)) == whole, (type(dfa).__name__, text)
     return whole
 
@@ -65,9 +65,14 @@ def test_the_regex_matches_what_the_grammar_derives(grammar, good, bad):
 
 def test_recursion_that_nests_is_followed_max_nesting_deep():
     grammar = 'root ::= value\nvalue ::= "[" value "]" | "x"'
+    for nesting in (2, REGEX_NESTING, 6):
+        for depth in range(nesting + 2):
+            text = "[" * depth + "x" + "]" * depth
+            assert matches(grammar, text, nesting) == (depth < nesting), (nesting, depth)
+    guide = grammar_dfa(grammar)  # the guide's own depth, past what a regex can spell
     for depth in range(MAX_NESTING + 2):
         text = "[" * depth + "x" + "]" * depth
-        assert matches(grammar, text) == (depth < MAX_NESTING), depth
+        assert guide.accepts(guide.walk(guide.start, text)) == (depth < MAX_NESTING), depth
     mutual = 'root ::= a\na ::= "(" b ")" | "a"\nb ::= "<" a ">" | "b"'
     assert matches(mutual, "(<(b)>)") and matches(mutual, "a") and not matches(mutual, "(a)")
 
@@ -102,9 +107,9 @@ def test_a_grammar_that_unrolls_too_wide_is_refused():
         grammar_regex(wide)
 
 
-def test_sampling_params_follow_the_grammar_as_its_regex():
+def test_sampling_params_follow_the_grammar():
     params = SamplingParams(guided_grammar=SQL)
-    assert params.guide_pattern == grammar_regex(SQL) and params.has_penalties and params.guides == ["guided_grammar"]
+    assert params.guide_dfa() is grammar_dfa(SQL) and params.has_penalties and params.guides == ["guided_grammar"]
     with pytest.raises(ValueError, match="guided_grammar and guided_regex cannot both be set"):
         SamplingParams(guided_grammar=SQL, guided_regex="a")
     with pytest.raises(ValueError, match="guided_grammar ends the output with EOS"):
@@ -121,10 +126,11 @@ def test_a_grammar_follows_its_rules_as_shared_terms_not_its_pattern(monkeypatch
     compiled = []
     monkeypatch.setattr(regex_dfa, "CharDFA", lambda pattern: compiled.append(pattern))
     dfa = SamplingParams(guided_grammar=JSON).guide_dfa()
-    assert compiled == [] and dfa.pattern == grammar_regex(JSON) and len(dfa.terms.nodes) < 1000
-    for text in ['{"a": [1, {"b": "x\\n"}], "c": true}', "{}", '{"k": -0.5e3 }', '{"a": }', "[1]", '{"a": 01}',
-                 '{"a": {"b": {"c": {"d": 1}}}}', '{"a": {"b": {"c": {"d": {"e": 1}}}}}']:
-        assert dfa.accepts(dfa.walk(dfa.start, text)) == bool(re.fullmatch(dfa.pattern, text)), text
+    assert compiled == [] and dfa.pattern == f"guided_grammar:{MAX_NESTING}:{JSON}" and len(dfa.terms.nodes) < 3000
+    deep = '{"a": ' * MAX_NESTING + "1" + "}" * MAX_NESTING  # objects MAX_NESTING deep: the most it follows
+    for text, valid in [('{"a": [1, {"b": "x\\n"}], "c": true}', True), ("{}", True), ('{"a": }', False),
+                        ("[1]", False), (deep, True), ('{"a": ' + deep + "}", False)]:
+        assert dfa.accepts(dfa.walk(dfa.start, text)) == valid, text
 
 
 @pytest.mark.parametrize("field", ["guided_regex", "guided_grammar"])
