@@ -1,4 +1,4 @@
-"""A GBNF grammar as a regular language, for guided decoding (`guided_grammar`).
+"""A GBNF grammar for guided decoding (`guided_grammar`): its DFA, made as the text goes, or its regex.
 
 vLLM takes grammars in GBNF, the EBNF of llama.cpp and xgrammar:
 
@@ -10,19 +10,18 @@ Rules are `name ::= expression` (a rule runs until the next `name ::=`), the
 output must match `root` whole. Expressions: "strings" (or 'strings') with
 \\n \\t \\r \\\\ \\" \\xHH \\uHHHH escapes, [character classes] (ranges, ^
 negation), `.` (any character), rule names, ( groups ), alternatives |, and
-* + ? {m} {m,} {m,n}.
+* + ? {m} {m,} {m,n}. Lark grammars (`rule: ...`) are refused.
 
-The guide follows a grammar by a DFA made on demand from its rules as shared
-terms (`grammar_dfa`, `term_dfa`: each rule built once however often it is
-used); `grammar_regex` writes the language as one regex, for reading and
-tests (its size grows fast with nesting: it unrolls REGEX_NESTING deep).
-Either is regular, so it cannot count nesting: recursion is rewritten where it
-only repeats: a rule whose recursive alternatives all start
-with it (`list ::= list "," item | item`) or all end with it (`digits ::=
-[0-9] digits | [0-9]`) becomes a repetition and loses nothing. Any other
-recursion (`value ::= "[" value "]" | "x"`, mutual recursion) nests at most
-MAX_NESTING deep in the guide (as guided_json's schema-free values nest 3);
-past that, only a rule's other alternatives remain. Lark grammars (`rule: ...`) are refused.
+The guide follows a grammar exactly (`grammar_dfa`): each rule's body is a
+term made once, rule names stay references that a derivative expands only when
+the text reaches them (`term_dfa`), so recursion nests as deep as the text goes
+and a state is made only when an output gets there. Two cases are bounded:
+a rule that reaches itself before reading a character (indirect left recursion:
+expanding it would never stop) unrolls recursion MAX_NESTING deep, and a rule
+that can never end is left out. Direct left or right recursion (`list ::= list
+"," item | item`) is first rewritten as a repetition. `grammar_regex` writes the
+grammar as one regex, recursion unrolled REGEX_NESTING deep (a regex cannot
+count), for reading and as the tests' oracle.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from typing import Any
 from medusa.decoding.regex_dfa import _Parser as _RegexParser
 from medusa.decoding.term_dfa import EPS, TermDFA, Terms, term_of
 
-MAX_NESTING = 10  # the guide's: a recursive rule inside itself at most this deep (past what becomes repetition)
+MAX_NESTING = 10  # indirect left recursion in the guide: a rule inside itself at most this deep
 REGEX_NESTING = 4  # grammar_regex's: a 4-deep JSON grammar is a 129,000-character pattern already
 MAX_PATTERN = 200_000  # characters: a grammar whose regex unrolls to more is refused (grammar_regex)
 MAX_UNROLLED = 50_000  # rule copies (a rule at each count of the recursive rules on its path): more is refused
@@ -66,10 +65,12 @@ def grammar_regex(grammar: str, nesting: int = REGEX_NESTING) -> str:
     return _grammar_regex(grammar, nesting)
 
 
-def grammar_dfa(grammar: str, nesting: int = MAX_NESTING) -> TermDFA:
-    """The grammar's DFA, made on demand from its rules as shared terms (`term_dfa`), recursion unrolled
-    `nesting` deep: no pattern to compile, whatever the rules inline. Its `pattern`, the guide's cache key, is
-    "guided_grammar:" and the grammar."""
+def grammar_dfa(grammar: str, nesting: int | None = None) -> TermDFA:
+    """The grammar's DFA, made on demand from its rules as shared terms (`term_dfa`): no pattern to compile,
+    whatever the rules inline. nesting None (the guide's): exact, recursion as deep as the text goes, unless a
+    rule reaches itself before reading a character (indirect left recursion), which is unrolled MAX_NESTING
+    deep; an int: every recursion unrolled that deep (as grammar_regex does). Its `pattern`, the guide's cache
+    key, names the grammar and the nesting."""
     _check_text(grammar)
     return _grammar_dfa(grammar, nesting)
 
@@ -96,10 +97,125 @@ def _grammar_regex(grammar: str, nesting: int) -> str:
 
 
 @functools.lru_cache(maxsize=32)
-def _grammar_dfa(grammar: str, nesting: int) -> TermDFA:
+def _grammar_dfa(grammar: str, nesting: int | None) -> TermDFA:
+    rules = _rules(grammar)
+    if nesting is None and not _left_recursive(rules):
+        return _exact_dfa(rules, f"guided_grammar:{grammar}")
+    nesting = nesting or MAX_NESTING
     terms = Terms()
-    root = _Emitter(_rules(grammar), _TermBuilder(terms), nesting).root()
+    root = _Emitter(rules, _TermBuilder(terms), nesting).root()
     return TermDFA(terms, root, f"guided_grammar:{nesting}:{grammar}")
+
+
+def _exact_dfa(rules: dict[str, tuple], key: str) -> TermDFA:
+    """Each rule's body as a term once, rule names as ("ref", name) terms the derivatives expand: recursion as
+    deep as the text goes. Rules that can never end (no finite text) are left out, so every term can still
+    become a match and DEAD means what it says."""
+    productive = _fixpoint(rules, _can_end)
+    if "root" not in productive:
+        raise ValueError("guided_grammar: root can never end (every way through it recurses forever)")
+    terms = Terms(_fixpoint(rules, _can_be_empty))
+    builder = _TermBuilder(terms)
+    for name in productive:
+        terms.rules[name] = _exact_term(rules[name], builder, productive)
+    return TermDFA(terms, terms.ref("root"), key)
+
+
+def _exact_term(node: tuple, out: _TermBuilder, productive: set[str]) -> int | None:
+    """The node as a term with rules by reference; None where it can never end."""
+    kind = node[0]
+    if kind == "text":
+        return out.text(node[1])
+    if kind == "class":
+        return out.klass(node[1])
+    if kind == "ref":
+        return out.terms.ref(node[1]) if node[1] in productive else None
+    if kind == "cat":
+        parts = [_exact_term(item, out, productive) for item in node[1]]
+        return None if any(p is None for p in parts) else out.cat(parts)
+    if kind == "alt":
+        parts = [p for p in (_exact_term(item, out, productive) for item in node[1]) if p is not None]
+        return out.alt(parts) if parts else None
+    _, inner, lo, hi = node
+    body = _exact_term(inner, out, productive)
+    if body is None:
+        return None if lo > 0 else EPS
+    return out.repeat(body, lo, hi)
+
+
+def _fixpoint(rules: dict[str, tuple], holds: Any) -> set[str]:
+    """The rules for which `holds(body, known)` comes true, `known` growing from none until it stops."""
+    known: set[str] = set()
+    while True:
+        more = {name for name, body in rules.items() if name not in known and holds(body, known)}
+        if not more:
+            return known
+        known |= more
+
+
+def _can_end(node: tuple, ends: set[str]) -> bool:
+    """Whether the node derives some finite text, given the rules known to."""
+    kind = node[0]
+    if kind in ("text", "class"):
+        return True
+    if kind == "ref":
+        return node[1] in ends
+    if kind == "cat":
+        return all(_can_end(item, ends) for item in node[1])
+    if kind == "alt":
+        return any(_can_end(item, ends) for item in node[1])
+    return node[2] == 0 or _can_end(node[1], ends)
+
+
+def _can_be_empty(node: tuple, empty: set[str]) -> bool:
+    """Whether the node derives the empty text, given the rules known to."""
+    kind = node[0]
+    if kind == "text":
+        return node[1] == ""
+    if kind == "class":
+        return False
+    if kind == "ref":
+        return node[1] in empty
+    if kind == "cat":
+        return all(_can_be_empty(item, empty) for item in node[1])
+    if kind == "alt":
+        return any(_can_be_empty(item, empty) for item in node[1])
+    return node[2] == 0 or _can_be_empty(node[1], empty)
+
+
+def _left_recursive(rules: dict[str, tuple]) -> bool:
+    """Whether a rule can reach itself before any character is read (a derivative would expand it forever)."""
+    empty = _fixpoint(rules, _can_be_empty)
+    first = {name: _first_refs(body, empty) for name, body in rules.items()}
+    for start in rules:
+        seen, todo = set(), list(first[start])
+        while todo:
+            name = todo.pop()
+            if name == start:
+                return True
+            if name not in seen:
+                seen.add(name)
+                todo.extend(first[name])
+    return False
+
+
+def _first_refs(node: tuple, empty: set[str]) -> set[str]:
+    """The rules the node may expand before reading a character."""
+    kind = node[0]
+    if kind == "ref":
+        return {node[1]}
+    if kind == "cat":
+        refs: set[str] = set()
+        for item in node[1]:
+            refs |= _first_refs(item, empty)
+            if not _can_be_empty(item, empty):
+                break
+        return refs
+    if kind == "alt":
+        return set().union(*(_first_refs(item, empty) for item in node[1]))
+    if kind == "repeat":
+        return _first_refs(node[1], empty) if node[3] != 0 else set()
+    return set()
 
 
 class _Reader:

@@ -1,14 +1,15 @@
-"""A DFA made on demand from a graph of shared regular terms, by partial derivatives (Antimirov), for grammars.
+"""An automaton made on demand from a graph of shared terms, by partial derivatives (Antimirov), for grammars.
 
 `regex_dfa`'s Thompson NFA is built whole from the pattern's text: every repeat
 copied, every inlined rule spelled out. A GBNF grammar whose small rules are used
 everywhere (JSON's whitespace, `[ \\t]{0,20}`, after every value) becomes a
 pattern of 100,000+ characters and an NFA of 500,000 states before the first
-token. Here the grammar is a graph of hash-consed terms, each rule's term built
-once and shared by every use; a DFA state is the set of terms the text may go on
-with, and each (state, character) move is made on first use from the terms'
-derivatives. Same interface as `CharDFA` (`start`, `step`, `walk`, `accepts`,
-`char_sets`), so the token guide takes either.
+token. Here each rule's body is a hash-consed term made once, and a rule's name
+a reference expanded only when a derivative reaches it; a state is the set of
+terms the text may go on with, and each (state, character) move is made on
+first use. Recursion needs no unrolling: a deeper nesting is a longer term,
+made when an output gets there. Same interface as `CharDFA` (`start`, `step`,
+`walk`, `accepts`, `char_sets`), so the token guide takes either.
 """
 
 from __future__ import annotations
@@ -20,14 +21,22 @@ EPS = 0  # the term of the empty text
 
 class Terms:
     """Hash-consed terms, by id: ("eps",), ("chars", CharSet), ("cat", head, tail), ("alt", id, id, ...),
-    ("rep", body, lo, hi or None). Constructors normalise (cat right-nested, alt flat and sorted, a nullable
-    body's repeat needs no minimum), so equal languages built alike share an id and DFA states stay small."""
+    ("rep", body, lo, hi or None), and ("ref", name): a grammar rule's body (`rules`), expanded only when a
+    derivative reaches it, so recursion needs no unrolling (a rule must not reach itself before reading a
+    character: left recursion would derive forever). Constructors normalise (cat right-nested, alt flat and
+    sorted, a nullable body's repeat needs no minimum), so equal languages built alike share an id and DFA
+    states stay small."""
 
-    def __init__(self) -> None:
+    def __init__(self, empty_rules: set[str] | None = None) -> None:
         self.nodes: list[tuple] = [("eps",)]
         self._ids: dict[tuple, int] = {("eps",): EPS}
         self._nullable: dict[int, bool] = {EPS: True}
         self._derivatives: dict[tuple[int, str], tuple[int, ...]] = {}
+        self.rules: dict[str, int] = {}  # rule name -> its body's term
+        self.empty_rules = set(empty_rules or ())  # rules that match the empty text, known before bodies (rep asks)
+
+    def ref(self, name: str) -> int:
+        return self._make(("ref", name))
 
     def _make(self, node: tuple) -> int:
         if node not in self._ids:
@@ -87,6 +96,8 @@ class Terms:
                 known = self.nullable(node[1]) and self.nullable(node[2])
             elif kind == "alt":
                 known = any(self.nullable(t) for t in node[1:])
+            elif kind == "ref":
+                known = node[1] in self.empty_rules
             else:
                 known = node[2] == 0 or self.nullable(node[1])
             self._nullable[term] = known
@@ -114,6 +125,8 @@ class Terms:
             return out + list(self.derive(tail, char)) if self.nullable(head) else out
         if kind == "alt":
             return [d for t in node[1:] for d in self.derive(t, char)]
+        if kind == "ref":
+            return list(self.derive(self.rules[node[1]], char))
         _, body, lo, hi = node
         rest = self.rep(body, max(lo - 1, 0), None if hi is None else hi - 1)
         return [self.cat(d, rest) for d in self.derive(body, char)]
@@ -133,6 +146,8 @@ class Terms:
                 todo.extend(node[1:])
             elif node[0] == "rep":
                 todo.append(node[1])
+            elif node[0] == "ref":
+                todo.append(self.rules[node[1]])
         return list(sets)
 
 
@@ -152,7 +167,8 @@ def term_of(terms: Terms, node: tuple) -> int:
 
 
 class TermDFA(LazyDFA):
-    """The DFA of term `root`: a state is the set of terms the text may go on with."""
+    """The automaton of term `root`: a state is the set of terms the text may go on with (finitely many for a
+    regular language; for a recursive grammar, one more set per nesting the output reaches)."""
 
     def __init__(self, terms: Terms, root: int, pattern: str) -> None:
         super().__init__(pattern)

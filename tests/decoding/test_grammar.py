@@ -63,18 +63,34 @@ def test_the_regex_matches_what_the_grammar_derives(grammar, good, bad):
         assert not matches(grammar, text), text
 
 
-def test_recursion_that_nests_is_followed_max_nesting_deep():
+def test_recursion_is_followed_as_deep_as_the_text_goes_and_unrolled_where_asked():
     grammar = 'root ::= value\nvalue ::= "[" value "]" | "x"'
-    for nesting in (2, REGEX_NESTING, 6):
+    for nesting in (2, REGEX_NESTING, 6):  # unrolled: the regex and the bounded term DFA nest `nesting` deep
         for depth in range(nesting + 2):
             text = "[" * depth + "x" + "]" * depth
             assert matches(grammar, text, nesting) == (depth < nesting), (nesting, depth)
-    guide = grammar_dfa(grammar)  # the guide's own depth, past what a regex can spell
-    for depth in range(MAX_NESTING + 2):
+    guide = grammar_dfa(grammar)  # the guide's: exact, rules expanded as the derivatives reach them
+    for depth in (0, 1, 5, 40):
         text = "[" * depth + "x" + "]" * depth
-        assert guide.accepts(guide.walk(guide.start, text)) == (depth < MAX_NESTING), depth
+        assert accepts(guide, text) and not accepts(guide, text + "]") and not accepts(guide, "[" + text)
     mutual = 'root ::= a\na ::= "(" b ")" | "a"\nb ::= "<" a ">" | "b"'
     assert matches(mutual, "(<(b)>)") and matches(mutual, "a") and not matches(mutual, "(a)")
+    assert accepts(grammar_dfa(mutual), "(<" * 20 + "a" + ">)" * 20)
+
+
+def accepts(dfa, text: str) -> bool:
+    return dfa.accepts(dfa.walk(dfa.start, text))
+
+
+def test_a_rule_that_reaches_itself_before_reading_is_unrolled_and_one_that_never_ends_is_left_out():
+    indirect = 'root ::= a\na ::= b "x" | "y"\nb ::= a "z"'  # a -> b -> a, no character read between
+    guide = grammar_dfa(indirect)
+    assert guide.pattern.startswith(f"guided_grammar:{MAX_NESTING}:") and accepts(guide, "yzx")
+    assert accepts(guide, "y" + "zx" * (MAX_NESTING - 1)) and not accepts(guide, "y" + "zx" * MAX_NESTING)
+    pruned = grammar_dfa('root ::= "a" | "b" loop\nloop ::= "c" loop')  # loop never ends: "b" leads nowhere
+    assert accepts(pruned, "a") and pruned.walk(pruned.start, "b") == -1
+    with pytest.raises(ValueError, match="guided_grammar: root can never end"):
+        grammar_dfa('root ::= "a" root')
 
 
 def test_the_sql_example_of_vllms_docs_becomes_a_small_pattern():
@@ -120,17 +136,17 @@ def test_sampling_params_follow_the_grammar():
 
 def test_a_grammar_follows_its_rules_as_shared_terms_not_its_pattern(monkeypatch):
     """A grammar's DFA is made from its rules (each rule's term once, however often used), so the JSON grammar's
-    100,000-character pattern is never compiled, and it accepts what the pattern matches."""
+    100,000-character pattern is never compiled, and it nests as deep as the text goes."""
     import medusa.decoding.regex_dfa as regex_dfa
 
     compiled = []
     monkeypatch.setattr(regex_dfa, "CharDFA", lambda pattern: compiled.append(pattern))
     dfa = SamplingParams(guided_grammar=JSON).guide_dfa()
-    assert compiled == [] and dfa.pattern == f"guided_grammar:{MAX_NESTING}:{JSON}" and len(dfa.terms.nodes) < 3000
-    deep = '{"a": ' * MAX_NESTING + "1" + "}" * MAX_NESTING  # objects MAX_NESTING deep: the most it follows
+    assert compiled == [] and dfa.pattern == f"guided_grammar:{JSON}" and len(dfa.terms.nodes) < 300
+    deep = '{"a": ' * 30 + "[1, " * 30 + "2" + "]" * 30 + "}" * 30
     for text, valid in [('{"a": [1, {"b": "x\\n"}], "c": true}', True), ("{}", True), ('{"a": }', False),
-                        ("[1]", False), (deep, True), ('{"a": ' + deep + "}", False)]:
-        assert dfa.accepts(dfa.walk(dfa.start, text)) == valid, text
+                        ("[1]", False), (deep, True), (deep + "}", False), (deep[:-1], False)]:
+        assert accepts(dfa, text) == valid, text
 
 
 @pytest.mark.parametrize("field", ["guided_regex", "guided_grammar"])
@@ -146,21 +162,24 @@ NESTED = 'root ::= list\nlist ::= list "," item | item\nitem ::= [a-c]+ | "[" li
 @pytest.mark.parametrize("grammar", [SQL, JSON, NESTED, 'root ::= ("ab" | "a")* "b"? [^a]{0,3}'])
 def test_the_term_dfa_and_the_regex_dfa_agree_on_every_prefix(grammar):
     """The guide asks whether a text can still become a match (not DEAD) and whether it is one: on random walks
-    over the grammar's own characters, mostly ones that keep the text alive, the terms' DFA answers as the
-    regex's NFA-based one does."""
+    over the grammar's own characters, mostly ones that keep the text alive, the terms' DFA unrolled as deep as
+    the regex answers as the regex's NFA-based one does, and the exact one as one unrolled deeper than the walk
+    can nest."""
     import random
 
     from medusa.decoding.regex_dfa import DEAD
 
     rng = random.Random(0)
     alphabet = sorted(set(re.sub(r"[\s#].*", "", grammar) + ' "{}[],:0123456789abcSELECTtrue'))
-    terms, regex = grammar_dfa(grammar), compile_regex(grammar_regex(grammar))
-    for _ in range(200):
-        a, b = terms.start, regex.start
-        for _ in range(rng.randint(1, 40)):  # mostly characters that keep the text alive, so walks go deep
-            live = [c for c in alphabet if regex.step(b, c) != DEAD]
-            char = rng.choice(live if live and rng.random() < 0.9 else alphabet)
-            a, b = terms.step(a, char), regex.step(b, char)
-            assert (a == DEAD) == (b == DEAD) and terms.accepts(a) == regex.accepts(b)
-            if a == DEAD:
-                break
+    pairs = [(grammar_dfa(grammar, REGEX_NESTING), compile_regex(grammar_regex(grammar)), 40),
+             (grammar_dfa(grammar), grammar_dfa(grammar, 24), 20)]
+    for dfa, oracle, longest in pairs:
+        for _ in range(150):
+            a, b = dfa.start, oracle.start
+            for _ in range(rng.randint(1, longest)):  # mostly characters that keep the text alive: walks go deep
+                live = [c for c in alphabet if oracle.step(b, c) != DEAD]
+                char = rng.choice(live if live and rng.random() < 0.9 else alphabet)
+                a, b = dfa.step(a, char), oracle.step(b, char)
+                assert (a == DEAD) == (b == DEAD) and dfa.accepts(a) == oracle.accepts(b)
+                if a == DEAD:
+                    break
