@@ -2,10 +2,11 @@
 
     python benchmarks/guide_build.py --out out/guide-build
 
-For each case, a pattern (or a JSON Schema, as its regex, or a GBNF grammar) and a sample answer in it: the
-guide's construction, then the answer's tokens walked through it the way the engine does, each state's allowed
-tokens made on first reach (`RegexGuide.allowed`), then the same walk again with everything built. Also the
-vocabulary's trie (once per tokenizer) and the guide's memory. Writes results.json.
+For each case, a regex, a JSON Schema or a GBNF grammar, and a sample answer in it: the guide's construction
+(its automaton as SamplingParams.guide_dfa makes it, then the guide), then the answer's tokens walked through
+it the way the engine does, each state's allowed tokens made on first reach (`RegexGuide.allowed`), then the
+same walk again with everything built. Also the vocabulary's trie (once per tokenizer) and the guide's memory.
+Writes results.json.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from medusa.decoding.grammar import grammar_dfa
-from medusa.decoding.json_schema import any_object_regex, schema_regex
-from medusa.decoding.regex_dfa import compile_regex
+from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.token_guide import RegexGuide, VocabTrie
 from medusa.default_model import default_model_path
 
@@ -43,17 +42,17 @@ number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1
 ws ::= | " " | "\n" [ \t]{0,20}
 """
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank, while birds sing. "
-CASES = [("phone regex", r"\(\d{3}\) \d{3}-\d{4}", "(555) 123-4567"),
-         ("small schema", schema_regex(SMALL), '{"name": "Felix the cat", "age": 12, "tags": ["cute", "fluffy"]}'),
-         ("json_object", any_object_regex(), '{"name": "Felix", "info": {"age": 12, "likes": ["fish", "naps"]}, '
-                                             '"ok": true}'),
-         ("maxLength 600, 200-character answer", schema_regex(COUNTED),
+# (case, SamplingParams field, its value, a sample answer): each guide made as the engine makes it
+CASES = [("phone regex", "guided_regex", r"\(\d{3}\) \d{3}-\d{4}", "(555) 123-4567"),
+         ("small schema", "guided_json", SMALL, '{"name": "Felix the cat", "age": 12, "tags": ["cute", "fluffy"]}'),
+         ("json_object", "guided_json", {"type": "object"},
+          '{"name": "Felix", "info": {"age": 12, "likes": ["fish", "naps"]}, "ok": true}'),
+         ("maxLength 600, 200-character answer", "guided_json", COUNTED,
           '{"answer": "' + SENTENCE * 2 + '", "confidence": "high"}'),
-         (".*", ".*", "hello world, it's me"),
-         ("SQL grammar", SQL, "SELECT id, name FROM users WHERE name = 'Ann';"),
-         ("JSON grammar (GBNF)", JSON_GBNF,
+         (".*", "guided_regex", ".*", "hello world, it's me"),
+         ("SQL grammar", "guided_grammar", SQL, "SELECT id, name FROM users WHERE name = 'Ann';"),
+         ("JSON grammar (GBNF)", "guided_grammar", JSON_GBNF,
           '{"name": "Felix", "info": {"age": 12, "likes": ["fish", "naps"]}, "ok": true}')]
-GRAMMARS = ("SQL grammar", "JSON grammar (GBNF)")  # their "pattern" is the grammar
 
 
 def walk(guide: RegexGuide, tokens: list[int]) -> tuple[float, float]:
@@ -77,10 +76,9 @@ def main() -> None:
     trie = VocabTrie.of(tokenizer)
     result = {"trie_s": time.perf_counter() - start, "cases": []}
     print(f"vocabulary trie: {result['trie_s']:.2f} s")
-    for name, pattern, answer in CASES:
+    for name, field, spec, answer in CASES:
         start = time.perf_counter()
-        # as SamplingParams.guide_dfa makes it: a grammar's DFA from its rules as terms, others from the pattern
-        dfa = grammar_dfa(pattern) if name in GRAMMARS else compile_regex(pattern)
+        dfa = SamplingParams(**{field: spec}).guide_dfa()  # a regex's over its NFA, a schema's or grammar's rules
         guide = RegexGuide(dfa, trie, [tokenizer.eos_token_id])
         build = time.perf_counter() - start
         tokens = tokenizer.encode(answer, add_special_tokens=False)

@@ -51,24 +51,39 @@ def _grammar_regex(grammar: str, nesting: int) -> str:
     return _Emitter(read_rules(grammar), _Regex(nesting), nesting).root()
 
 
+def regex_rule(pattern: str) -> tuple:
+    """A rule from a regex in `regex_dfa`'s syntax, whose (?&name) are references to other rules (json_schema
+    writes its schemas' recursion so): the parsed pattern's nodes ("chars", "empty", "cat", "alt", "repeat",
+    "ref") are rule nodes too."""
+    return _RegexParser(pattern).parse()
+
+
+def rules_dfa(rules: dict[str, tuple], key: str, field: str) -> TermDFA:
+    """The exact automaton of rules["root"] (`key`: its cache key; `field`: the request field errors name). A rule
+    that reaches itself before reading a character is refused: a derivative would expand it forever."""
+    if _left_recursive(rules):
+        raise ValueError(f"{field}: a rule refers to itself before any character is read (left recursion)")
+    return _exact_dfa(rules, key, field)
+
+
 @functools.lru_cache(maxsize=32)
 def _grammar_dfa(grammar: str, nesting: int | None) -> TermDFA:
     rules = read_rules(grammar)
     if nesting is None and not _left_recursive(rules):
-        return _exact_dfa(rules, f"guided_grammar:{grammar}")
+        return _exact_dfa(rules, f"guided_grammar:{grammar}", "guided_grammar")
     nesting = nesting or MAX_NESTING
     terms = Terms()
     root = _Emitter(rules, _TermBuilder(terms), nesting).root()
     return TermDFA(terms, root, f"guided_grammar:{nesting}:{grammar}")
 
 
-def _exact_dfa(rules: dict[str, tuple], key: str) -> TermDFA:
+def _exact_dfa(rules: dict[str, tuple], key: str, field: str) -> TermDFA:
     """Each rule's body as a term once, rule names as ("ref", name) terms the derivatives expand: recursion as
     deep as the text goes. Rules that can never end (no finite text) are left out, so every term can still
     become a match and DEAD means what it says."""
     productive = _fixpoint(rules, _can_end)
     if "root" not in productive:
-        raise ValueError("guided_grammar: root can never end (every way through it recurses forever)")
+        raise ValueError(f"{field}: it can never end (every way through it recurses forever)")
     terms = Terms(_fixpoint(rules, _can_be_empty))
     builder = _TermBuilder(terms)
     for name in productive:
@@ -83,6 +98,10 @@ def _exact_term(node: tuple, out: _TermBuilder, productive: set[str]) -> int | N
         return out.text(node[1])
     if kind == "class":
         return out.klass(node[1])
+    if kind == "chars":
+        return out.terms.chars(node[1])
+    if kind == "empty":
+        return EPS
     if kind == "ref":
         return out.terms.ref(node[1]) if node[1] in productive else None
     if kind == "cat":
@@ -111,7 +130,7 @@ def _fixpoint(rules: dict[str, tuple], holds: Any) -> set[str]:
 def _can_end(node: tuple, ends: set[str]) -> bool:
     """Whether the node derives some finite text, given the rules known to."""
     kind = node[0]
-    if kind in ("text", "class"):
+    if kind in ("text", "class", "chars", "empty"):
         return True
     if kind == "ref":
         return node[1] in ends
@@ -127,8 +146,10 @@ def _can_be_empty(node: tuple, empty: set[str]) -> bool:
     kind = node[0]
     if kind == "text":
         return node[1] == ""
-    if kind == "class":
+    if kind in ("class", "chars"):
         return False
+    if kind == "empty":
+        return True
     if kind == "ref":
         return node[1] in empty
     if kind == "cat":

@@ -1,11 +1,14 @@
-"""A JSON Schema as a regular expression, for guided decoding (`guided_json`, `response_format`).
+"""A JSON Schema as regex rules, for guided decoding (`guided_json`, `response_format`, tool calls).
 
 The output is one JSON text in a fixed layout: an object's properties in the
-schema's order, one optional space after ":" and ",", none elsewhere. Nesting
-is what a regex cannot count, so a schema-free value (`{}`, `json_object`)
-nests objects and arrays at most ANY_DEPTH deep; a schema's own nesting is
-followed as written (`$ref`s to `$defs` / `definitions` included, at most
-MAX_REF_DEPTH deep, so a recursive model is cut there).
+schema's order, one optional space after ":" and ",", none elsewhere. The
+guide (`schema_dfa`) writes the schema as a regex whose schema-free values
+(`{}`, `json_object`) and `$ref`s (to `$defs` / `definitions`) are rules, each
+written once and referred to as (?&name), and follows them exactly through
+`grammar.rules_dfa`: nested or recursive values go as deep as the text goes.
+`schema_regex` writes one plain regex instead, where a regex cannot count:
+schema-free values nest ANY_DEPTH deep and `$ref`s are cut MAX_REF_DEPTH deep
+(for reading, and the tests' oracle).
 
 Supported: type (one or a list), properties / required (optional properties
 may be left out, order kept), additionalProperties false or absent, items,
@@ -22,6 +25,9 @@ import functools
 import json
 import re
 from typing import Any
+
+from medusa.decoding.grammar import regex_rule, rules_dfa
+from medusa.decoding.term_dfa import TermDFA
 
 ANY_DEPTH = 3  # objects / arrays inside a schema-free value, at most this deep
 MAX_REF_DEPTH = 8
@@ -62,6 +68,30 @@ def _text_regex(text: str) -> str:
     return schema_regex(schema)
 
 
+def schema_dfa(schema: Any) -> TermDFA:
+    """The guide's automaton of `schema` (a dict, True, or its JSON text; cached by that text): the schema's
+    regex with a schema-free value and each `$ref` as rules (`_Converter`), followed exactly (`grammar.rules_dfa`),
+    so neither is cut at a depth. ValueError naming guided_json, as schema_regex."""
+    text = schema if isinstance(schema, str) else json.dumps(schema)  # key order kept: properties are ordered
+    return _schema_dfa(text)
+
+
+@functools.lru_cache(maxsize=64)
+def _schema_dfa(text: str) -> TermDFA:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"guided_json is not valid JSON: {err}") from None
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise ValueError(f"guided_json must be a JSON Schema object, got {type(schema).__name__}")
+    rules: dict[str, str] = {}
+    rules["root"] = _Converter(schema, rules).value(schema, 0)
+    return rules_dfa({name: regex_rule(pattern) for name, pattern in rules.items()}, f"guided_json:{text}",
+                     "guided_json")
+
+
 def any_json_regex(depth: int = ANY_DEPTH) -> str:
     """Any JSON value nesting objects and arrays at most `depth` deep."""
     value = f"({STRING}|{NUMBER}|true|false|null)"
@@ -79,12 +109,40 @@ def any_object_regex(depth: int = ANY_DEPTH) -> str:
 
 
 class _Converter:
-    def __init__(self, root: dict) -> None:
-        self.root = root
+    """Schema -> regex. With `rules` (schema_dfa's), a schema-free value is the rule `json_value` and a `$ref` the
+    rule of its target, each referred to as (?&name) and written once into `rules`, so nothing is cut at a
+    depth; without, both are unrolled (ANY_DEPTH, MAX_REF_DEPTH)."""
+
+    def __init__(self, root: dict, rules: dict[str, str] | None = None) -> None:
+        self.root, self.rules = root, rules
+        self.ref_rules: dict[str, str] = {}  # a $ref -> its rule's name
+
+    def _any(self) -> str:
+        if self.rules is None:
+            return any_json_regex()
+        if "json_value" not in self.rules:
+            value = "(?&json_value)"
+            self.rules["json_value"] = (f"({STRING}|{NUMBER}|true|false|null|\\[({value}(,{SEP}{value})*)?\\]"
+                                        f"|\\{{({STRING}:{SEP}{value}(,{SEP}{STRING}:{SEP}{value})*)?\\}})")
+        return "(?&json_value)"
+
+    def _any_object(self) -> str:
+        if self.rules is None:
+            return any_object_regex()
+        value = self._any()
+        return f"\\{{({STRING}:{SEP}{value}(,{SEP}{STRING}:{SEP}{value})*)?\\}}"
+
+    def _ref(self, ref: str, depth: int) -> str:
+        if self.rules is None:
+            return self.value(self._resolve(ref, depth), depth + 1)
+        if ref not in self.ref_rules:
+            name = self.ref_rules[ref] = f"ref{len(self.ref_rules)}"  # taken first: a recursive $ref finds it
+            self.rules[name] = self.value(self._resolve(ref, 0), 0)
+        return f"(?&{self.ref_rules[ref]})"
 
     def value(self, schema: Any, depth: int) -> str:
         if schema is True or schema == {}:
-            return any_json_regex()
+            return self._any()
         if schema is False or not isinstance(schema, dict):
             raise ValueError(f"guided_json: a schema must be an object or true, got {schema!r}")
         unknown = set(schema) - KEYWORDS - ANNOTATIONS
@@ -92,7 +150,7 @@ class _Converter:
             raise ValueError(f"guided_json: keyword {sorted(unknown)[0]!r} is not supported (supported: "
                              f"{', '.join(sorted(KEYWORDS))})")
         if "$ref" in schema:
-            return self.value(self._resolve(schema["$ref"], depth), depth + 1)
+            return self._ref(schema["$ref"], depth)
         if "const" in schema:
             return _literal(schema["const"])
         if "enum" in schema:
@@ -109,7 +167,7 @@ class _Converter:
             return self.value(parts[0], depth)
         kinds = schema.get("type", "object" if "properties" in schema else None)
         if kinds is None:
-            return any_json_regex()
+            return self._any()
         kinds = kinds if isinstance(kinds, list) else [kinds]
         return "(" + "|".join(self._typed(schema, kind, depth) for kind in kinds) + ")"
 
@@ -133,6 +191,11 @@ class _Converter:
     def _string(self, schema: dict) -> str:
         if "pattern" in schema:  # the whole string matches it (anchors or not)
             pattern = schema["pattern"]
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as error:
+                raise ValueError(f"guided_json: pattern {pattern!r} is not a valid regular expression: {error}") \
+                    from None
             pattern = pattern[1:] if pattern.startswith("^") else pattern
             pattern = pattern[:-1] if pattern.endswith("$") and not pattern.endswith("\\$") else pattern
             return f'"({pattern})"'
@@ -161,7 +224,7 @@ class _Converter:
         if not properties:
             if extra is False:
                 return r"\{\}"
-            return any_object_regex()
+            return self._any_object()
         if extra not in (False, None) and properties:
             raise ValueError("guided_json: additionalProperties beside properties is not supported (leave it out or "
                              "set it false)")

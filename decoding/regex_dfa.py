@@ -123,6 +123,12 @@ class _Parser:
                 if end < 0:
                     self._fail("unterminated group name")
                 self.at = end + 1
+            elif self.text.startswith("?&", self.at):  # a rule of a grammar (term_dfa); Python's re refuses it
+                end = self.text.find(")", self.at)
+                if end < 0:
+                    self._fail("unterminated rule reference")
+                name, self.at = self.text[self.at + 2:end], end + 1
+                return ("ref", name)
             elif self._peek() == "?":
                 self._fail("lookaround, flags and other (?...) groups are not supported")
             node = self._alternation()

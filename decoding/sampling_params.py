@@ -7,7 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from medusa.decoding.grammar import grammar_dfa
-from medusa.decoding.json_schema import schema_regex
+from medusa.decoding.json_schema import schema_dfa
 from medusa.decoding.regex_dfa import LazyDFA, compile_regex
 from medusa.decoding.sampler import SamplingConfig
 
@@ -165,8 +165,9 @@ class SamplingParams:
         return None if dfa is None else dfa.pattern
 
     def guide_dfa(self) -> LazyDFA | None:
-        """The character DFA the output's text follows (cached by pattern or grammar): a regex's or schema's over
-        its NFA, a grammar's over its rules as shared terms (`grammar.grammar_dfa`)."""
+        """The automaton the output's text follows (cached by pattern, schema or grammar): a regex's over its NFA,
+        a schema's or a grammar's made on demand from its rules (`json_schema.schema_dfa`, `grammar.grammar_dfa`),
+        so their recursion is followed as deep as the text goes."""
         if self.guided_regex is not None:
             return compile_regex(self.guided_regex)
         if self.guided_grammar is not None:
@@ -174,9 +175,13 @@ class SamplingParams:
         if self.guided_json is None:
             return None
         try:
-            return compile_regex(schema_regex(self.guided_json))
-        except ValueError as err:  # a string "pattern" in the schema the regex compiler cannot follow
-            raise ValueError(f"guided_json: a pattern in the schema cannot be followed ({err})") from None
+            return schema_dfa(self.guided_json)
+        except ValueError as err:
+            message = str(err)
+            if message.startswith("guided_json"):
+                raise
+            # a string "pattern" in the schema the regex parser cannot follow
+            raise ValueError(f"guided_json: a pattern in the schema cannot be followed ({message})") from None
 
     @property
     def has_penalties(self) -> bool:

@@ -24,7 +24,7 @@ from jinja2 import TemplateError
 from medusa.chat import chat_prompt_ids
 from medusa.decoding.engine import EngineConfig
 from medusa.decoding.grammar import grammar_dfa
-from medusa.decoding.json_schema import schema_regex
+from medusa.decoding.json_schema import schema_dfa
 from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.server.errors import APIError, bad_request, unsupported
@@ -262,7 +262,7 @@ def _guided(req: _SamplingRequest, tool_schema: dict | None = None) -> dict[str,
         raise bad_request(f"{named['guided_choice']} must be a non-empty list of non-empty strings",
                           named["guided_choice"])
     guides["guided_choice"] = tuple(choice or ())
-    for name, check in (("guided_regex", compile_regex), ("guided_json", schema_regex),
+    for name, check in (("guided_regex", compile_regex), ("guided_json", schema_dfa),
                         ("guided_grammar", grammar_dfa)):
         if guides[name] is not None:
             if name != "guided_json" and not isinstance(guides[name], str):

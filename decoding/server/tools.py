@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from medusa.decoding.json_schema import schema_regex
+from medusa.decoding.json_schema import schema_dfa
 from medusa.decoding.server.errors import bad_request
 from medusa.decoding.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 
@@ -107,7 +107,7 @@ def _parameters(function: Any, index: int) -> dict:
     else:
         schema = {"type": "object", **schema}
     try:
-        schema_regex(schema)
+        schema_dfa(schema)
     except ValueError as err:
         raise bad_request(f"tools[{index}].function.parameters: {err}", "tools") from None
     return schema

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from medusa.decoding.json_schema import any_json_regex, any_object_regex, schema_regex
+from medusa.decoding.json_schema import any_json_regex, any_object_regex, schema_dfa, schema_regex
 from medusa.decoding.regex_dfa import compile_regex
 from medusa.decoding.sampling_params import SamplingParams
 
@@ -39,15 +39,18 @@ CASES = [
 
 @pytest.mark.parametrize("schema, valid, invalid", CASES)
 def test_the_regex_matches_exactly_the_texts_the_schema_allows(schema, valid, invalid):
+    """The regex, its DFA and the guide's automaton (schema_dfa: schema-free values unbounded, so the regex's
+    "too deep" is valid there) agree."""
     pattern = schema_regex(schema)
-    dfa = compile_regex(pattern)
+    dfa, guide = compile_regex(pattern), schema_dfa(schema)
     for text in valid:
         json.loads(text)  # the cases themselves are JSON
         assert re.fullmatch(pattern, text), text
-        assert dfa.accepts(dfa.walk(dfa.start, text)), text
+        assert dfa.accepts(dfa.walk(dfa.start, text)) and guide.accepts(guide.walk(guide.start, text)), text
     for text in invalid:
         assert not re.fullmatch(pattern, text), text
         assert not dfa.accepts(dfa.walk(dfa.start, text)), text
+        assert guide.accepts(guide.walk(guide.start, text)) == ("too deep" in text), text
     assert schema_regex(json.dumps(schema)) == pattern  # the same from the schema's JSON text
 
 
@@ -63,7 +66,6 @@ def test_a_schema_free_object_nests_at_most_three_deep():
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required names 'b'"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, "additionalProperties"),
     ({"$ref": "#/$defs/Nope"}, "does not name a schema"),
-    ({"$ref": "#/$defs/A", "$defs": {"A": {"type": "array", "items": {"$ref": "#/$defs/A"}}}}, "recursive"),
     ({"type": "tuple"}, "unknown type 'tuple'"),
     ({"enum": []}, "enum must be a non-empty list"),
     ({"allOf": [{}, {}]}, "allOf is supported with one schema only"),
@@ -77,6 +79,27 @@ def test_what_it_cannot_enforce_is_refused_naming_guided_json(schema, message):
         SamplingParams(guided_json=schema)
 
 
+def test_the_guide_follows_schema_free_values_and_recursive_refs_as_deep_as_the_text_goes():
+    """schema_regex unrolls them (3 and 8 deep); the guide's automaton (schema_dfa) keeps them as rules."""
+    def accepts(schema, text):
+        dfa = SamplingParams(guided_json=schema).guide_dfa()
+        return dfa.accepts(dfa.walk(dfa.start, text))
+
+    deep = '{"a": ' * 12 + "[1, " * 12 + "null" + "]" * 12 + "}" * 12
+    assert accepts({"type": "object"}, deep) and not accepts({"type": "object"}, deep + "}")
+    tree = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {
+        "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+        "required": ["v", "kids"]}}}
+    text = '{"v": 1, "kids": [' * 15 + '{"v": 2, "kids": []}' + "]}" * 15
+    assert accepts(tree, text) and not accepts(tree, text.replace('"v": 2', '"v": "2"'))
+    with pytest.raises(ValueError, match="guided_json: it can never end"):  # every node needs a child
+        SamplingParams(guided_json={"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {
+            "kid": {"$ref": "#/$defs/n"}}, "required": ["kid"]}}})
+    with pytest.raises(ValueError, match="guided_json: a rule refers to itself before any character"):
+        SamplingParams(guided_json={"$ref": "#/$defs/a", "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"},
+                                                                                   {"type": "null"}]}}})
+
+
 def test_a_schema_pattern_the_regex_compiler_cannot_follow_is_refused_naming_guided_json():
     with pytest.raises(ValueError, match="guided_json: a pattern in the schema cannot be followed"):
         SamplingParams(guided_json={"type": "string", "pattern": "a(?=b)"})
@@ -84,7 +107,8 @@ def test_a_schema_pattern_the_regex_compiler_cannot_follow_is_refused_naming_gui
 
 def test_sampling_params_keep_the_schema_as_json_text_and_take_one_guide():
     params = SamplingParams(guided_json=PERSON)
-    assert json.loads(params.guided_json) == PERSON and params.guide_pattern == schema_regex(PERSON)
+    assert json.loads(params.guided_json) == PERSON and params.guide_pattern.startswith("guided_json:")
+    assert params.guide_dfa() is SamplingParams(guided_json=params.guided_json).guide_dfa()  # cached by its text
     hash(params)
     with pytest.raises(ValueError, match="guided_json and guided_choice cannot both be set"):
         SamplingParams(guided_json=PERSON, guided_choice=("a",))
