@@ -159,8 +159,8 @@ class SamplingParams:
 
     @property
     def guide_pattern(self) -> str | None:
-        """The regex guided_regex, guided_json or guided_grammar holds the output's text to (ValueError, naming the
-        field, for one that cannot be followed)."""
+        """The guide's key: guided_regex itself, or "guided_json:" / "guided_grammar:" and its text (None without
+        one; ValueError, naming the field, for one that cannot be followed)."""
         dfa = self.guide_dfa()
         return None if dfa is None else dfa.pattern
 
