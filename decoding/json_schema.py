@@ -46,26 +46,17 @@ KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "
 
 
 def schema_regex(schema: Any) -> str:
-    """The regex of JSON texts valid under `schema` (a dict, True, or a JSON string of one). ValueError, naming
-    guided_json and the keyword, for what is not supported."""
+    """The regex of JSON texts valid under `schema` (a dict, True, or a JSON string of one), unrolled where a regex
+    cannot count (see the module doc). ValueError, naming guided_json and the keyword, for what is not supported."""
     if isinstance(schema, str):
         return _text_regex(schema)
-    if schema is True:
-        schema = {}
-    if not isinstance(schema, dict):
-        raise ValueError(f"guided_json must be a JSON Schema object, got {type(schema).__name__}")
+    schema = _schema_object(schema)
     return _Converter(schema).value(schema, 0)
 
 
 @functools.lru_cache(maxsize=64)
 def _text_regex(text: str) -> str:
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"guided_json is not valid JSON: {err}") from None
-    if isinstance(schema, str):  # JSON text of a string, not of a schema
-        raise ValueError("guided_json must be a JSON Schema object, got a string")
-    return schema_regex(schema)
+    return schema_regex(_schema_object(text))
 
 
 def schema_dfa(schema: Any) -> TermDFA:
@@ -78,18 +69,27 @@ def schema_dfa(schema: Any) -> TermDFA:
 
 @functools.lru_cache(maxsize=64)
 def _schema_dfa(text: str) -> TermDFA:
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"guided_json is not valid JSON: {err}") from None
-    if schema is True:
-        schema = {}
-    if not isinstance(schema, dict):
-        raise ValueError(f"guided_json must be a JSON Schema object, got {type(schema).__name__}")
+    schema = _schema_object(text)
     rules: dict[str, str] = {}
     rules["root"] = _Converter(schema, rules).value(schema, 0)
     return rules_dfa({name: regex_rule(pattern) for name, pattern in rules.items()}, f"guided_json:{text}",
                      "guided_json")
+
+
+def _schema_object(schema: Any) -> dict:
+    """The schema as a dict (read from its JSON text; True is {}); ValueError naming guided_json otherwise."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"guided_json is not valid JSON: {err}") from None
+        if isinstance(schema, str):  # JSON text of a string, not of a schema
+            raise ValueError("guided_json must be a JSON Schema object, got a string")
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise ValueError(f"guided_json must be a JSON Schema object, got {type(schema).__name__}")
+    return schema
 
 
 def any_json_regex(depth: int = ANY_DEPTH) -> str:
