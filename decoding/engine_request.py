@@ -64,15 +64,15 @@ def make_detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetok
 def token_rules(tokenizer: Any, params: SamplingParams, eos: set[int]) -> TokenRules:
     """params' bad words and guided choices as token sequences: a bad word as the tokenizer writes it alone and
     after a space (vLLM's two spellings), a choice as it writes it; a choice then ends with one of `eos`. A guided
-    regex (or JSON schema, as its regex) as a cursor in its token guide over the tokenizer's vocabulary, ending
-    with one of `eos` too."""
-    pattern = params.guide_pattern
-    if not (params.bad_words or params.guided_choice or pattern is not None):
+    regex, schema or grammar as a cursor in its token guide over the tokenizer's vocabulary, ending with one of
+    `eos` too."""
+    dfa = params.guide_dfa()  # the automaton of a guided regex, schema or grammar (cached), or None
+    if not (params.bad_words or params.guided_choice or dfa is not None):
         return TokenRules()
     if tokenizer is None:
         raise ValueError("bad_words and guided decoding (guided_choice, regex, json, grammar) need the "
                          "engine's tokenizer (this engine was made without one)")
-    if (params.guided_choice or pattern is not None) and not eos:
+    if (params.guided_choice or dfa is not None) and not eos:
         raise ValueError("guided decoding (guided_choice, regex, json, grammar) needs an end-of-sequence "
                          "token to end the output")
 
@@ -88,10 +88,10 @@ def token_rules(tokenizer: Any, params: SamplingParams, eos: set[int]) -> TokenR
             raise ValueError("allowed_token_ids leaves no guided_choice that can be written and ended (every choice "
                              "has a token it does not allow, or it allows no end-of-sequence token)")
     guide = None
-    if pattern is not None:
+    if dfa is not None:
         if not ends:
             raise ValueError("allowed_token_ids allows no end-of-sequence token: a guided output could not end")
-        guide = GuideProgress(RegexGuide.of(params.guide_dfa(), tokenizer, sorted(ends)))
+        guide = GuideProgress(RegexGuide.of(dfa, tokenizer, sorted(ends)))
     return TokenRules(tuple(sorted(w for w in words if w)), tuple(sorted(choices)), tuple(sorted(ends)), guide)
 
 

@@ -129,34 +129,26 @@ def _fixpoint(rules: dict[str, tuple], holds: Any) -> set[str]:
 
 def _can_end(node: tuple, ends: set[str]) -> bool:
     """Whether the node derives some finite text, given the rules known to."""
-    kind = node[0]
-    if kind in ("text", "class", "chars", "empty"):
-        return True
-    if kind == "ref":
-        return node[1] in ends
-    if kind == "cat":
-        return all(_can_end(item, ends) for item in node[1])
-    if kind == "alt":
-        return any(_can_end(item, ends) for item in node[1])
-    return node[2] == 0 or _can_end(node[1], ends)
+    return _derives(node, ends, only_empty=False)
 
 
 def _can_be_empty(node: tuple, empty: set[str]) -> bool:
     """Whether the node derives the empty text, given the rules known to."""
+    return _derives(node, empty, only_empty=True)
+
+
+def _derives(node: tuple, known: set[str], only_empty: bool) -> bool:
+    """Whether the node derives a text (only_empty: the empty text), given the rules `known` to."""
     kind = node[0]
-    if kind == "text":
-        return node[1] == ""
-    if kind in ("class", "chars"):
-        return False
-    if kind == "empty":
-        return True
+    if kind in ("text", "class", "chars", "empty"):  # leaves: any derives a text, the empty ones the empty text
+        return not only_empty or kind == "empty" or kind == "text" and node[1] == ""
     if kind == "ref":
-        return node[1] in empty
+        return node[1] in known
     if kind == "cat":
-        return all(_can_be_empty(item, empty) for item in node[1])
+        return all(_derives(item, known, only_empty) for item in node[1])
     if kind == "alt":
-        return any(_can_be_empty(item, empty) for item in node[1])
-    return node[2] == 0 or _can_be_empty(node[1], empty)
+        return any(_derives(item, known, only_empty) for item in node[1])
+    return node[2] == 0 or _derives(node[1], known, only_empty)
 
 
 def _left_recursive(rules: dict[str, tuple]) -> bool:

@@ -96,15 +96,22 @@ def any_json_regex(depth: int = ANY_DEPTH) -> str:
     """Any JSON value nesting objects and arrays at most `depth` deep."""
     value = f"({STRING}|{NUMBER}|true|false|null)"
     for _ in range(depth):
-        inner = value
-        value = (f"({STRING}|{NUMBER}|true|false|null|\\[({inner}(,{SEP}{inner})*)?\\]"
-                 f"|\\{{({STRING}:{SEP}{inner}(,{SEP}{STRING}:{SEP}{inner})*)?\\}})")
+        value = _value_of(value)
     return value
 
 
 def any_object_regex(depth: int = ANY_DEPTH) -> str:
     """Any JSON object (response_format json_object), its values nesting at most `depth - 1` deep."""
-    inner = any_json_regex(depth - 1)
+    return _object_of(any_json_regex(depth - 1))
+
+
+def _value_of(inner: str) -> str:
+    """Any JSON value whose arrays' items and objects' values are `inner`."""
+    return f"({STRING}|{NUMBER}|true|false|null|\\[({inner}(,{SEP}{inner})*)?\\]|{_object_of(inner)})"
+
+
+def _object_of(inner: str) -> str:
+    """Any JSON object whose values are `inner`."""
     return f"\\{{({STRING}:{SEP}{inner}(,{SEP}{STRING}:{SEP}{inner})*)?\\}}"
 
 
@@ -121,16 +128,11 @@ class _Converter:
         if self.rules is None:
             return any_json_regex()
         if "json_value" not in self.rules:
-            value = "(?&json_value)"
-            self.rules["json_value"] = (f"({STRING}|{NUMBER}|true|false|null|\\[({value}(,{SEP}{value})*)?\\]"
-                                        f"|\\{{({STRING}:{SEP}{value}(,{SEP}{STRING}:{SEP}{value})*)?\\}})")
+            self.rules["json_value"] = _value_of("(?&json_value)")
         return "(?&json_value)"
 
     def _any_object(self) -> str:
-        if self.rules is None:
-            return any_object_regex()
-        value = self._any()
-        return f"\\{{({STRING}:{SEP}{value}(,{SEP}{STRING}:{SEP}{value})*)?\\}}"
+        return any_object_regex() if self.rules is None else _object_of(self._any())
 
     def _ref(self, ref: str, depth: int) -> str:
         if self.rules is None:
