@@ -405,12 +405,15 @@ class DecodeStep:
         turn, self._result_turn = self._result_turn, 1 - self._result_turn
         return copy_to_host(packed, self._results[turn][: packed.numel()].view(packed.shape), self._result_done[turn])
 
-    def override(self, index: list[int], best: list[int], next_tokens: list[int]) -> None:
-        """Host-decided verdicts for rows `index` (sampling and friends)."""
-        if index:
-            at = torch.tensor(index, device=self.device)
-            self.best[at] = torch.tensor(best, device=self.device)
-            self.next[at] = torch.tensor(next_tokens, device=self.device)
+    def override(self, tree: DeviceTree, rows: list[int], candidates: torch.Tensor, targets: torch.Tensor) -> None:
+        """Host-decided node targets [H, N] for batch rows `rows` (logits the host changed: penalties, guides,
+        the min_tokens ban): their verdicts, on the device, replace the device's own before part 2.
+        candidates [Bp, N]: the step's."""
+        at = torch.tensor(rows, device=self.device)
+        best, next_tokens = torch.empty_like(at), torch.empty_like(at)
+        verdict(tree, candidates[at], targets, best, next_tokens)
+        self.best[at] = best
+        self.next[at] = next_tokens
 
     # ---- the two parts ----------------------------------------------------
 

@@ -59,7 +59,6 @@ from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import ScheduledSeq, Scheduler, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
 from medusa.decoding.tree_policy import TreePolicy
-from medusa.decoding.verifier import AcceptanceConfig, verify
 from medusa.heads import MedusaHeads
 from medusa.kernels.paged_attention import kernel_pages
 from medusa.model import DecoderModel
@@ -546,6 +545,7 @@ class LLMEngine:
         requests, padded, propose, part1 = self._forward(seqs, tree, prompts)
         self._verify_on_host(requests, tree, part1)
         packed = self.runner.decode.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
+        self._note_step_logprobs(requests, tree, part1.logits, packed)
         outputs = self._apply_rows(requests, tree, packed)
         if timed and padded in self.policy.step_cost:  # the measured policy is on: it learns what steps cost
             self.policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
@@ -632,23 +632,46 @@ class LLMEngine:
             self.policy.observe_subtrees(spec, np.asarray(bests, dtype=np.int64))
 
     def _verify_on_host(self, requests: list[EngineRequest], tree: DeviceTree, part1) -> None:
-        """Verdicts for rows the device rules cannot decide: min_tokens, logprobs, penalties."""
+        """Verdicts for rows the device rules cannot decide (min_tokens, penalties, guides, logprobs): each such
+        row's node targets from its own changed logits (the argmax, or its sampler's draw), then one batched
+        verdict for them all on the device, over the device's own. Nothing is read back here: the step's
+        packed copy carries these verdicts with the others (logprobs are noted from it, `_note_step_logprobs`)."""
+        host = [i for i, request in enumerate(requests) if self._needs_host(request)]
+        if not host:
+            return
         n = tree.num_nodes
-        index, best, next_tokens = [], [], []
+        targets = [self._host_targets(requests[i], tree, part1.logits[i * n:(i + 1) * n], part1.candidates[i])
+                   for i in host]
+        self.runner.decode.override(tree, host, part1.candidates, torch.stack(targets))
+
+    def _host_targets(self, request: EngineRequest, tree: DeviceTree, raw: torch.Tensor,
+                      candidates: torch.Tensor) -> torch.Tensor:
+        """raw [N, V] logits at a row's nodes -> each node's target [N] after the request's logit changes: the
+        argmax, or its sampler's draw for output number (the output so far) + depth (as `verifier.verify`)."""
+        logits = self._suppress_eos(request, self._penalize(request, raw, tree, candidates), tree.depths)
+        if request.sampling.greedy:
+            return logits.argmax(-1)
+        return request.sampler(logits, request.sampling, request.seq.num_output_tokens + tree.depths)
+
+    def _note_step_logprobs(self, requests: list[EngineRequest], tree: DeviceTree, logits: torch.Tensor,
+                            packed: list[list[int]]) -> None:
+        """Logprobs of the tokens a step emitted, for requests that ask: token d of a row came from the raw
+        logits [Bp * N, V] of node d on its accepted path (the root first). One read-back per distinct k."""
+        n, by_k = tree.num_nodes, {}
         for i, request in enumerate(requests):
-            if not self._needs_host(request):
-                continue
-            raw = part1.logits[i * n:(i + 1) * n]
-            candidates = part1.candidates[i]
-            logits = self._suppress_eos(request, self._penalize(request, raw, tree, candidates), tree.depths)
-            verdict = verify(tree, candidates, logits, request.sampling, AcceptanceConfig(),
-                             request.sampler, request.seq.num_output_tokens)
-            accepted = verdict.accepted
-            self._note_logprobs(request, raw[accepted], candidates[accepted[1:]].tolist() + [int(verdict.next_token)])
-            index.append(i)
-            best.append(int(accepted[-1]))
-            next_tokens.append(int(verdict.next_token))
-        self.runner.decode.override(index, best, next_tokens)
+            if request.params.logprobs is not None:
+                by_k.setdefault(request.params.logprobs, []).append(i)
+        for k, rows in by_k.items():
+            at, tokens = [], []
+            for i in rows:
+                count, best = packed[i][0], packed[i][-1]
+                at += [i * n + node for node in (0, *tree.spec.node_paths[best])]
+                tokens += packed[i][1:count + 1]
+            noted = token_logprobs(logits[torch.tensor(at, device=logits.device)], tokens, k)
+            for i in rows:
+                count = packed[i][0]
+                requests[i].logprobs += noted[:count]
+                noted = noted[count:]
 
     def _needs_host(self, request: EngineRequest) -> bool:
         """Whether the request's rows need the host's verdict: logprobs, penalties, or EOS still banned."""

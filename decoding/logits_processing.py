@@ -27,11 +27,12 @@ def suppress_eos(params: SamplingParams, produced: int, banned: Sequence[int], l
     logits [N, V]; depths [N]: node i's target is output number
     produced + depths[i] (the pending root counts as output).
     """
-    if params.ignore_eos or not banned or produced + int(depths.min()) >= params.min_tokens:
+    if params.ignore_eos or not banned or produced >= params.min_tokens:  # the root's depth is 0: no node is early
         return logits
-    rows = (produced + depths < params.min_tokens).nonzero().squeeze(-1)
+    early = (produced + depths < params.min_tokens)[:, None]  # [N, 1], on the device: nothing is read back
+    ids = torch.tensor(list(banned), dtype=torch.long, device=logits.device)
     logits = logits.clone()
-    logits[rows[:, None], torch.tensor(list(banned), device=logits.device)[None, :]] = float("-inf")
+    logits[:, ids] = logits[:, ids].masked_fill(early, float("-inf"))
     return logits
 
 
@@ -157,9 +158,9 @@ def _follow_guide(logits: torch.Tensor, rules: TokenRules, output_ids: Sequence[
     vocab = logits.shape[-1]  # the model's rows past the tokenizer's (padding) are never allowed
     allowed = allowed[:, :vocab] if allowed.shape[1] >= vocab else F.pad(allowed, (0, vocab - allowed.shape[1]))
     logits = logits.masked_fill(~allowed, float("-inf"))
-    stuck = torch.isneginf(logits).all(-1).nonzero().squeeze(-1)
-    if len(stuck):
-        logits[stuck[:, None], torch.tensor(rules.ends, device=logits.device)[None, :]] = 0.0
+    stuck = torch.isneginf(logits).all(-1, keepdim=True)  # [N, 1], on the device: nothing is read back
+    ends = torch.tensor(rules.ends, dtype=torch.long, device=logits.device)
+    logits[:, ends] = logits[:, ends].masked_fill(stuck, 0.0)
     return logits
 
 
