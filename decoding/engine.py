@@ -50,7 +50,7 @@ from medusa.decoding.engine_config import EngineConfig
 from medusa.decoding.engine_request import (EngineRequest, cannot_stop, checked_params, make_detokenizer,
                                             prompt_token_ids, token_rules, until_stop_string)
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, to_device
-from medusa.decoding.logits_processing import penalize, suppress_eos, token_logprobs
+from medusa.decoding.logits_processing import follow_guides, penalize, suppress_eos, token_logprobs
 from medusa.decoding.model_runner import ModelRunner
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats
 from medusa.decoding.prefill_graphs import PromptSegment
@@ -640,15 +640,30 @@ class LLMEngine:
         if not host:
             return
         n = tree.num_nodes
-        targets = [self._host_targets(requests[i], tree, part1.logits[i * n:(i + 1) * n], part1.candidates[i])
-                   for i in host]
+        changed = self._guided_logits(requests, [i for i in host if requests[i].guide_only], tree, part1)
+        targets = [self._host_targets(requests[i], tree, part1.logits[i * n:(i + 1) * n], part1.candidates[i],
+                                      changed.get(i)) for i in host]
         self.runner.decode.override(tree, host, part1.candidates, torch.stack(targets))
 
-    def _host_targets(self, request: EngineRequest, tree: DeviceTree, raw: torch.Tensor,
-                      candidates: torch.Tensor) -> torch.Tensor:
-        """raw [N, V] logits at a row's nodes -> each node's target [N] after the request's logit changes: the
-        argmax, or its sampler's draw for output number (the output so far) + depth (as `verifier.verify`)."""
-        logits = self._suppress_eos(request, self._penalize(request, raw, tree, candidates), tree.depths)
+    def _guided_logits(self, requests: list[EngineRequest], rows: list[int], tree: DeviceTree,
+                       part1) -> dict[int, torch.Tensor]:
+        """Rows whose only logit changes are their guides, all at once (`follow_guides`) -> {row: logits [N, V]}."""
+        if not rows:
+            return {}
+        n, at = tree.num_nodes, torch.tensor(rows, device=self.device)
+        logits = follow_guides(part1.logits.view(-1, n, part1.logits.shape[-1])[at],
+                               [requests[i].rules for i in rows], [requests[i].seq.output_token_ids for i in rows],
+                               tree, part1.candidates[at])  # [G, N, V]
+        return dict(zip(rows, logits))
+
+    def _host_targets(self, request: EngineRequest, tree: DeviceTree, raw: torch.Tensor, candidates: torch.Tensor,
+                      changed: torch.Tensor | None = None) -> torch.Tensor:
+        """raw [N, V] logits at a row's nodes -> each node's target [N] after the request's logit changes (given as
+        `changed` where they are done already): the argmax, or its sampler's draw for output number (the output
+        so far) + depth (as `verifier.verify`)."""
+        if changed is None:
+            changed = self._penalize(request, raw, tree, candidates)
+        logits = self._suppress_eos(request, changed, tree.depths)
         if request.sampling.greedy:
             return logits.argmax(-1)
         return request.sampler(logits, request.sampling, request.seq.num_output_tokens + tree.depths)

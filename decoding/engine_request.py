@@ -51,6 +51,12 @@ class EngineRequest:
         self.eos_banned_until = 0 if params.ignore_eos else params.min_tokens
         self.prompt_logprobs = None if params.prompt_logprobs is None else [None]
 
+    @property
+    def guide_only(self) -> bool:
+        """Whether a guided regex, schema or grammar is the only change to its logits (`follow_guides` batches
+        such rows)."""
+        return self.rules.guide is not None and not self.params.has_logit_changes
+
 
 def make_detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer | FinalDetokenizer | None:
     """Text every step (streaming, or stop strings to look for), else text once at the end."""

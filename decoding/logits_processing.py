@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.outputs import TokenLogprob
 from medusa.decoding.sampling_params import SamplingParams
-from medusa.decoding.token_guide import GuideProgress
+from medusa.decoding.token_guide import GuideProgress, RegexGuide
 
 
 def suppress_eos(params: SamplingParams, produced: int, banned: Sequence[int], logits: torch.Tensor,
@@ -141,11 +141,31 @@ def _follow_choices(logits: torch.Tensor, rules: TokenRules, texts: list[list[in
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+def follow_guides(logits: torch.Tensor, rules: Sequence[TokenRules], outputs: Sequence[Sequence[int]],
+                  tree: DeviceTree, candidates: torch.Tensor) -> torch.Tensor:
+    """`penalize` for G rows whose guides are their only logit changes, at once: logits [G, N, V] at the nodes
+    of `tree` and candidates [G, N] -> float32 logits with each row's guide followed at each of its nodes. One
+    read of the candidates, one mask and one fill for them all, where row by row each costs its own."""
+    rows, nodes, vocab = logits.shape
+    guides, states, ends = [], [], []
+    for rule, output, tokens in zip(rules, outputs, candidates.tolist()):
+        states += _guide_states(rule, output, [[tokens[j] for j in path] for path in tree.spec.node_paths[:nodes]])
+        guides += [rule.guide.guide] * nodes
+        ends += [rule.ends] * nodes
+    flat = logits.reshape(rows * nodes, vocab).float()
+    return _mask_by_guides(flat, guides, states, ends).view(rows, nodes, vocab)
+
+
 def _follow_guide(logits: torch.Tensor, rules: TokenRules, output_ids: Sequence[int],
                   paths: list[list[int]]) -> torch.Tensor:
     """Each node may write only tokens that keep its text (the output, then its path below the root) a prefix of
-    a match of the guide's pattern, and an end token where that text matches. A node left with nothing to write
-    (other rules banned every token the guide allows) may end."""
+    a match of the guide's pattern, and an end token where that text matches."""
+    states = _guide_states(rules, output_ids, paths)
+    return _mask_by_guides(logits, [rules.guide.guide] * len(states), states, [rules.ends] * len(states))
+
+
+def _guide_states(rules: TokenRules, output_ids: Sequence[int], paths: list[list[int]]) -> list[int]:
+    """The guide's state at each node: after the output, then the node's path below the root."""
     guide = rules.guide.guide
     root = rules.guide.state_after(output_ids)
     states = []
@@ -154,13 +174,23 @@ def _follow_guide(logits: torch.Tensor, rules: TokenRules, output_ids: Sequence[
         for token in path:
             state = guide.advance(state, token)
         states.append(state)
-    allowed = torch.stack([guide.allowed(state, logits.device) for state in states])  # [N, tokenizer's V]
+    return states
+
+
+def _mask_by_guides(logits: torch.Tensor, guides: Sequence[RegexGuide], states: Sequence[int],
+                    ends: Sequence[tuple[int, ...]]) -> torch.Tensor:
+    """logits [M, V]: row m may write only what guides[m] allows in states[m]. A row left with nothing to write
+    (other rules banned every token the guide allows) may end, with one of ends[m]. Nothing is read back."""
+    allowed = torch.stack([guide.allowed(state, logits.device) for guide, state in zip(guides, states)])  # [M, V']
     vocab = logits.shape[-1]  # the model's rows past the tokenizer's (padding) are never allowed
     allowed = allowed[:, :vocab] if allowed.shape[1] >= vocab else F.pad(allowed, (0, vocab - allowed.shape[1]))
     logits = logits.masked_fill(~allowed, float("-inf"))
-    stuck = torch.isneginf(logits).all(-1, keepdim=True)  # [N, 1], on the device: nothing is read back
-    ends = torch.tensor(rules.ends, dtype=torch.long, device=logits.device)
-    logits[:, ends] = logits[:, ends].masked_fill(stuck, 0.0)
+    stuck = torch.isneginf(logits).all(-1, keepdim=True)  # [M, 1]
+    columns = sorted(set().union(*ends))
+    flags = {row: [column in row for column in columns] for row in set(ends)}
+    ends_of_row = torch.tensor([flags[row] for row in ends], device=logits.device)  # [M, C]
+    at = torch.tensor(columns, dtype=torch.long, device=logits.device)
+    logits[:, at] = logits[:, at].masked_fill(stuck & ends_of_row, 0.0)  # [M, C]
     return logits
 
 

@@ -185,11 +185,15 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether any logit change (bias, allowed tokens, bad words, choices or penalty) applies: the host then
+        """Whether any logit change (bias, allowed tokens, bad words, a guide or a penalty) applies: the host then
         gives every verdict."""
+        return self.has_logit_changes or bool(self.guides)
+
+    @property
+    def has_logit_changes(self) -> bool:
+        """Whether a logit change other than a guide applies: bias, allowed tokens, bad words or a penalty."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
-                or bool(self.guides))
+                or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words))
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

@@ -248,6 +248,46 @@ def test_a_model_vocabulary_padded_past_the_tokenizers_never_writes_the_padding(
     assert set(torch.isfinite(masked[0]).nonzero().flatten().tolist()) == {0, 4, 3}  # "a", "ab", the end
 
 
+def test_guides_applied_to_many_rows_at_once_equal_each_row_penalized_alone():
+    """The engine's batched guide path (`follow_guides`) against `penalize` row by row, on a tree with lookup
+    nodes: rows with different patterns, outputs, candidates and ends; fresh random logits per row."""
+    from medusa.decoding.device_tree import DeviceTree
+    from medusa.decoding.logits_processing import follow_guides, penalize
+    from medusa.tree import TreeSpec
+
+    tree = DeviceTree.from_spec(TreeSpec.load("tree-16").with_lookup(3), torch.device("cpu"))
+    n, vocab, rng = tree.num_nodes, len(TOKENS) + 3, random.Random(0)  # two ends and a padding row
+    cases = [(r"(ab|ba)+[01]{1,3}", [4], (11,)), (r"a*b?x", [], (12,)), (r"[01]+", [2, 3, 2], (11, 12)),
+             (r"(ab)+", [4, 4], (11,))]
+    rules, outputs, rows = [], [], []
+    for pattern, output, ends in cases:
+        guide = RegexGuide(compile_regex(pattern), VocabTrie(TOKENS + [None, None]), list(ends))
+        rules.append(TokenRules(ends=ends, guide=GuideProgress(guide)))
+        outputs.append(output)
+        rows.append(torch.tensor([rng.randrange(len(TOKENS)) for _ in range(n)]))
+    logits = torch.randn(len(cases), n, vocab, dtype=torch.bfloat16)
+    logits[1, :, len(TOKENS):] = float("-inf")  # row 1 may not end: its nodes the guide allows only an end are stuck
+    batched = follow_guides(logits, rules, outputs, tree, torch.stack(rows))
+    for i, (pattern, output, _) in enumerate(cases):
+        alone = penalize(SamplingParams(guided_regex=pattern), output, logits[i], tree, rows[i], rules=rules[i])
+        assert batched.dtype == alone.dtype == torch.float32
+        assert torch.equal(batched[i], alone), pattern
+    assert torch.isfinite(batched[1, :, 12]).any()  # row 1's stuck nodes may end, though its logits banned it
+
+
+def test_a_node_its_guide_leaves_nothing_may_end_with_its_own_ends():
+    from medusa.decoding.logits_processing import _mask_by_guides
+
+    guide = RegexGuide(compile_regex(r"ab"), VocabTrie(TOKENS + [None, None]), [11, 12])
+    after_a = guide.advance(guide.start, 0)
+    logits = torch.randn(3, len(TOKENS) + 2)
+    logits[:, 1] = float("-inf")  # "b", the one token the guide allows after "a", is banned by another rule
+    masked = _mask_by_guides(logits, [guide] * 3, [after_a, after_a, guide.start], [(11,), (11, 12), (12,)])
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [11]
+    assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == [11, 12]
+    assert torch.isfinite(masked[2]).nonzero().flatten().tolist() == [0, 4]  # "a", "ab": not stuck, no end yet
+
+
 def test_a_guide_that_drops_old_states_gives_the_same_moves(monkeypatch):
     import medusa.decoding.token_guide as token_guide
 
