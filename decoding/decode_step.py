@@ -409,7 +409,7 @@ class DecodeStep:
         """Host-decided node targets [H, N] for batch rows `rows` (logits the host changed: penalties, guides,
         the min_tokens ban): their verdicts, on the device, replace the device's own before part 2.
         candidates [Bp, N]: the step's."""
-        at = torch.tensor(rows, device=self.device)
+        at = to_device(rows, torch.long, self.device)
         best, next_tokens = torch.empty_like(at), torch.empty_like(at)
         verdict(tree, candidates[at], targets, best, next_tokens)
         self.best[at] = best

@@ -640,21 +640,27 @@ class LLMEngine:
         if not host:
             return
         n = tree.num_nodes
-        changed = self._guided_logits(requests, [i for i in host if requests[i].guide_only], tree, part1)
-        targets = [self._host_targets(requests[i], tree, part1.logits[i * n:(i + 1) * n], part1.candidates[i],
-                                      changed.get(i)) for i in host]
-        self.runner.decode.override(tree, host, part1.candidates, torch.stack(targets))
+        guided = [i for i in host if requests[i].guide_only]
+        others = [i for i in host if not requests[i].guide_only]
+        targets = [self._guided_targets(requests, guided, tree, part1)] if guided else []
+        targets += [self._host_targets(requests[i], tree, part1.logits[i * n:(i + 1) * n], part1.candidates[i])[None]
+                    for i in others]
+        self.runner.decode.override(tree, guided + others, part1.candidates, torch.cat(targets))
 
-    def _guided_logits(self, requests: list[EngineRequest], rows: list[int], tree: DeviceTree,
-                       part1) -> dict[int, torch.Tensor]:
-        """Rows whose only logit changes are their guides, all at once (`follow_guides`) -> {row: logits [N, V]}."""
-        if not rows:
-            return {}
-        n, at = tree.num_nodes, torch.tensor(rows, device=self.device)
+    def _guided_targets(self, requests: list[EngineRequest], rows: list[int], tree: DeviceTree,
+                        part1) -> torch.Tensor:
+        """Rows whose guides are their only logit changes, masked all at once (`follow_guides`) -> their node
+        targets [G, N]: one argmax for them all, then a sampled row's draws, or a row's under the min_tokens
+        ban, row by row."""
+        n, at = tree.num_nodes, to_device(rows, torch.long, self.device)
         logits = follow_guides(part1.logits.view(-1, n, part1.logits.shape[-1])[at],
                                [requests[i].rules for i in rows], [requests[i].seq.output_token_ids for i in rows],
                                tree, part1.candidates[at])  # [G, N, V]
-        return dict(zip(rows, logits))
+        targets = logits.argmax(-1)  # [G, N]
+        for g, i in enumerate(rows):
+            if not requests[i].sampling.greedy or requests[i].seq.num_output_tokens < requests[i].eos_banned_until:
+                targets[g] = self._host_targets(requests[i], tree, None, None, changed=logits[g])
+        return targets
 
     def _host_targets(self, request: EngineRequest, tree: DeviceTree, raw: torch.Tensor, candidates: torch.Tensor,
                       changed: torch.Tensor | None = None) -> torch.Tensor:

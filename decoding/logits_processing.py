@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.host_buffers import to_device
 from medusa.decoding.outputs import TokenLogprob
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.token_guide import GuideProgress, RegexGuide
@@ -30,7 +31,7 @@ def suppress_eos(params: SamplingParams, produced: int, banned: Sequence[int], l
     if params.ignore_eos or not banned or produced >= params.min_tokens:  # the root's depth is 0: no node is early
         return logits
     early = (produced + depths < params.min_tokens)[:, None]  # [N, 1], on the device: nothing is read back
-    ids = torch.tensor(list(banned), dtype=torch.long, device=logits.device)
+    ids = to_device(list(banned), torch.long, logits.device)
     logits = logits.clone()
     logits[:, ids] = logits[:, ids].masked_fill(early, float("-inf"))
     return logits
@@ -188,8 +189,8 @@ def _mask_by_guides(logits: torch.Tensor, guides: Sequence[RegexGuide], states: 
     stuck = torch.isneginf(logits).all(-1, keepdim=True)  # [M, 1]
     columns = sorted(set().union(*ends))
     flags = {row: [column in row for column in columns] for row in set(ends)}
-    ends_of_row = torch.tensor([flags[row] for row in ends], device=logits.device)  # [M, C]
-    at = torch.tensor(columns, dtype=torch.long, device=logits.device)
+    ends_of_row = to_device([flags[row] for row in ends], torch.bool, logits.device)  # [M, C]
+    at = to_device(columns, torch.long, logits.device)
     logits[:, at] = logits[:, at].masked_fill(stuck & ends_of_row, 0.0)  # [M, C]
     return logits
 

@@ -122,7 +122,9 @@ class RegexGuide:
                 if state == DEAD or self.dfa.accepts(state):
                     mask[list(self.ends)] = True
                 self._masks[state, torch.device("cpu")] = mask
-            self._masks[state, device] = self._masks[state, torch.device("cpu")].to(device)
+            mask = self._masks[state, torch.device("cpu")]  # a GPU's copy from page-locked memory waits for no step
+            self._masks[state, device] = mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" \
+                else mask.to(device)
         return self._masks[state, device]
 
     def forced_tokens(self, state: int, limit: int) -> tuple[int, ...]:
