@@ -214,7 +214,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         base, heads, tokenizer, eos = m.base, m.heads, m.tokenizer, sorted(m.eos_token_ids)
         config = m.engine_config()
         params = SamplingParams(max_tokens=args.max_tokens, output_kind=args.output_kind,
-                                temperature=args.temperature)
+                                temperature=args.temperature, logprobs=args.logprobs)
     else:
         base, heads, tokenizer = random_model(name, device, dtype)
         g = torch.Generator().manual_seed(0)
@@ -223,7 +223,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
                                                         args.min_requests),), generator=g)]
         eos, config = [], EngineConfig()
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, output_kind=args.output_kind,
-                                temperature=args.temperature)
+                                temperature=args.temperature, logprobs=args.logprobs)
     scheduler = SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=4096)
     # the phase timer synchronises around every phase, so a profiled engine runs without overlap
     overlap = False if args.profile_steps or args.no_overlap else None
@@ -332,6 +332,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature, each request seeded (default 0: greedy); warmup then "
                         "captures sampled steps too")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="every request asks for its tokens' logprobs and this many alternatives (default: none)")
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 levels, 8 tokens (CPU, CI)")
     p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
@@ -364,6 +366,7 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"device": device_name, "dtype": str(dtype),
                                                    "max_tokens": args.max_tokens, "length_spread": args.length_spread,
                                                    "prompt_lookup": args.prompt_lookup, "temperature": args.temperature,
+                                                   "logprobs": args.logprobs,
                                                    "repeats": args.repeats, "heads": args.heads, "output_kind": args.output_kind,
                                                    "overlap": not (args.no_overlap or args.profile_steps),
                                                    "mixed_prompt_tokens": args.mixed_prompt_tokens,

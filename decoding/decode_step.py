@@ -396,14 +396,16 @@ class DecodeStep:
         graphs["g2"].replay()
         return graphs["packed"]
 
-    def finish_to_host(self, tree: DeviceTree, padded: int, rows: int) -> PendingCopy:
-        """Part 2, and its first `rows` packed rows queued for the host: the caller may launch the next
-        step before reading them (an overlapped step; at most two in flight, one buffer each)."""
+    def finish_to_host(self, tree: DeviceTree, padded: int, rows: int) -> tuple[torch.Tensor, PendingCopy]:
+        """Part 2, and its first `rows` packed rows queued for the host -> (those rows on the device, their copy):
+        the caller may launch the next step before reading them (an overlapped step; at most two in flight,
+        one buffer each)."""
         packed = self.finish(tree, padded)[:rows]
         if self.device.type != "cuda":
-            return copy_to_host(packed)
+            return packed, copy_to_host(packed)
         turn, self._result_turn = self._result_turn, 1 - self._result_turn
-        return copy_to_host(packed, self._results[turn][: packed.numel()].view(packed.shape), self._result_done[turn])
+        host = self._results[turn][: packed.numel()].view(packed.shape)
+        return packed, copy_to_host(packed, host, self._result_done[turn])
 
     def override(self, tree: DeviceTree, rows: list[int], candidates: torch.Tensor, targets: torch.Tensor) -> None:
         """Host-decided node targets [H, N] for batch rows `rows` (logits the host changed: penalties, guides,

@@ -34,7 +34,7 @@ import itertools
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence as Seq
 
 import numpy as np
@@ -52,12 +52,13 @@ from medusa.decoding.engine_request import (EngineRequest, cannot_stop, checked_
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, to_device
 from medusa.decoding.logits_processing import follow_guides, penalize, suppress_eos, token_logprobs
 from medusa.decoding.model_runner import ModelRunner
-from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats
+from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
 from medusa.decoding.prefill_graphs import PromptSegment
 from medusa.decoding.sampler import TokenSampler
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import ScheduledSeq, Scheduler, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
+from medusa.decoding.step_logprobs import StepLogprobs, queue_step_logprobs
 from medusa.decoding.tree_policy import TreePolicy
 from medusa.heads import MedusaHeads
 from medusa.kernels.paged_attention import kernel_pages
@@ -83,6 +84,8 @@ class _InFlight:
     timed: bool
     prompt_hidden: torch.Tensor | None = None  # [P, H] of the prompt chunks its forward carried
     rows: list[list[int]] | None = None  # read back, waiting to be applied with the next ones
+    logprobs: StepLogprobs | None = None  # of its rows that ask, on their way to the host
+    noted: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)  # those, read back
     read_at: float = 0.0  # perf_counter when its rows reached the host
 
 
@@ -373,12 +376,12 @@ class LLMEngine:
         backs that with blocks."""
         step = self.runner.decode
         requests, padded, propose, part1 = self._forward(seqs, tree, prompts)
-        result = step.finish_to_host(tree, padded, len(seqs))
+        packed, result = step.finish_to_host(tree, padded, len(seqs))
         most = tree.spec.max_depth + 1
         for seq in seqs:
             seq.num_inflight_tokens += most
         return _InFlight(requests, tree, padded, propose, result, timed and self._inflight is not None,
-                         part1.prompt_hidden)
+                         part1.prompt_hidden, logprobs=self._queue_logprobs(requests, tree, part1, packed))
 
     def _forward(self, seqs: list[Sequence], tree: DeviceTree, prompts: PromptSegment | None):
         """Part 1 of a decode step for `seqs` -> (their requests, padded batch, whether it proposes, part 1)."""
@@ -429,6 +432,7 @@ class LLMEngine:
         """The overlapped step's packed rows to the host (waiting for the step), kept with the steps to apply."""
         flight, self._inflight = self._inflight, None
         flight.rows = flight.result.tolist()
+        flight.noted = self._read_logprobs(flight.requests, flight.logprobs, flight.rows)
         flight.read_at = time.perf_counter()
         self._pending.append(flight)
 
@@ -478,7 +482,7 @@ class LLMEngine:
             at = to_device(fresh, torch.long, self.device)
             raw = self.model.compute_logits(last[at])  # [f, V]
             argmax = raw.argmax(-1)  # [f]
-            if self.overlap and not any(self._needs_host(ready[k][0]) for k in fresh):
+            if self.overlap and not any(self._first_on_host(ready[k][0]) for k in fresh):
                 # the device keeps the roots (argmax, or a draw for sampled rows); the host reads them a step later
                 first = self._draw_first_tokens([ready[k][0] for k in fresh], raw, argmax)
                 roots = to_device(roots, torch.long, self.device)
@@ -487,7 +491,7 @@ class LLMEngine:
                 for k in fresh:
                     ready[k][0].first_pending = True
             else:
-                plain = [ready[k][0].sampling.greedy and not self._needs_host(ready[k][0]) for k in fresh]
+                plain = [ready[k][0].sampling.greedy and not self._first_on_host(ready[k][0]) for k in fresh]
                 argmax = argmax.tolist()  # the step's one sync for plain greedy rows
                 for j, k in enumerate(fresh):
                     roots[k] = argmax[j] if plain[j] else self._first_token(ready[k][0], raw[j:j + 1])
@@ -544,19 +548,22 @@ class LLMEngine:
         start = time.perf_counter()
         requests, padded, propose, part1 = self._forward(seqs, tree, prompts)
         self._verify_on_host(requests, tree, part1)
-        packed = self.runner.decode.finish(tree, padded)[: len(seqs)].tolist()  # the step's one device-to-host copy
-        self._note_step_logprobs(requests, tree, part1.logits, packed)
-        outputs = self._apply_rows(requests, tree, packed)
+        packed = self.runner.decode.finish(tree, padded)[: len(seqs)]
+        logprobs = self._queue_logprobs(requests, tree, part1, packed)
+        packed = packed.tolist()  # the step's one device-to-host copy (and its logprobs', where asked)
+        outputs = self._apply_rows(requests, tree, packed, noted=self._read_logprobs(requests, logprobs, packed))
         if timed and padded in self.policy.step_cost:  # the measured policy is on: it learns what steps cost
             self.policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
         return outputs, part1.prompt_hidden
 
     def _apply_rows(self, requests: list[EngineRequest], tree: DeviceTree, rows: list[list[int]],
-                    ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
+                    ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0,
+                    noted: dict[Sequence, list[TokenLogprob]] | None = None) -> list[RequestOutput]:
         """A step's packed rows (count, D + 1 tokens, deepest accepted node) -> tokens appended up to the
         first stop, KV committed, statistics. Sequences finished or aborted since the launch are skipped
         (the step ran one too many for them; nothing is preempted while a step is in flight).
-        `ahead`: sequences whose next step is already scheduled, with `ahead_nodes` tree slots."""
+        `ahead`: sequences whose next step is already scheduled, with `ahead_nodes` tree slots. `noted`: the
+        logprobs of the tokens of the rows that asked."""
         # drafts came through the lookup chain if the deepest node is on it (no node is, without one: first == N)
         first = tree.first_lookup_node
         drafted, depth = tree.num_nodes - 1, tree.spec.max_depth
@@ -571,6 +578,8 @@ class LLMEngine:
             counts.append(count)
             bests.append(row[-1])
             from_lookup += looked_up
+            if noted:
+                request.logprobs += noted.get(seq, [])
             emitted = self._append(request, row[1:count + 1])
             if not seq.is_finished:
                 commit(seq, count, ahead_nodes if seq in ahead else 0)
@@ -586,7 +595,8 @@ class LLMEngine:
         them are appended (one detokenizer call), committed and reported together where nothing among them
         can stop it, else step by step up to the stop."""
         if len(flights) == 1:  # every step's case, kept apart: the general loop below is slower for one step
-            return self._apply_rows(flights[0].requests, flights[0].tree, flights[0].rows, ahead, ahead_nodes)
+            flight = flights[0]
+            return self._apply_rows(flight.requests, flight.tree, flight.rows, ahead, ahead_nodes, flight.noted)
         counts = [[] for _ in flights]  # per step: tokens each recorded row emitted, its deepest accepted node
         bests = [[] for _ in flights]
         from_lookup = [0] * len(flights)
@@ -609,6 +619,7 @@ class LLMEngine:
                 counts[j].append(count)
                 bests[j].append(row[-1])
                 from_lookup[j] += looked_up
+                request.logprobs += flights[j].noted.get(seq, [])
                 if not whole:
                     emitted += self._append(request, row[1:count + 1])
             if whole:
@@ -632,10 +643,10 @@ class LLMEngine:
             self.policy.observe_subtrees(spec, np.asarray(bests, dtype=np.int64))
 
     def _verify_on_host(self, requests: list[EngineRequest], tree: DeviceTree, part1) -> None:
-        """Verdicts for rows the device rules cannot decide (min_tokens, penalties, guides, logprobs): each such
-        row's node targets from its own changed logits (the argmax, or its sampler's draw), then one batched
-        verdict for them all on the device, over the device's own. Nothing is read back here: the step's
-        packed copy carries these verdicts with the others (logprobs are noted from it, `_note_step_logprobs`)."""
+        """Verdicts for rows the device rules cannot decide (min_tokens, penalties, guides): each such row's node
+        targets from its own changed logits (the argmax, or its sampler's draw), then one batched verdict for
+        them all on the device, over the device's own. Nothing is read back here: the step's packed copy
+        carries these verdicts with the others."""
         host = [i for i, request in enumerate(requests) if self._needs_host(request)]
         if not host:
             return
@@ -674,28 +685,30 @@ class LLMEngine:
             return logits.argmax(-1)
         return request.sampler(logits, request.sampling, request.seq.num_output_tokens + tree.depths)
 
-    def _note_step_logprobs(self, requests: list[EngineRequest], tree: DeviceTree, logits: torch.Tensor,
-                            packed: list[list[int]]) -> None:
-        """Logprobs of the tokens a step emitted, for requests that ask: token d of a row came from the raw
-        logits [Bp * N, V] of node d on its accepted path (the root first). One read-back per distinct k."""
-        n, by_k = tree.num_nodes, {}
-        for i, request in enumerate(requests):
-            if request.params.logprobs is not None:
-                by_k.setdefault(request.params.logprobs, []).append(i)
-        for k, rows in by_k.items():
-            at, tokens = [], []
-            for i in rows:
-                count, best = packed[i][0], packed[i][-1]
-                at += [i * n + node for node in (0, *tree.spec.node_paths[best])]
-                tokens += packed[i][1:count + 1]
-            noted = token_logprobs(logits[torch.tensor(at, device=logits.device)], tokens, k)
-            for i in rows:
-                count = packed[i][0]
-                requests[i].logprobs += noted[:count]
-                noted = noted[count:]
+    @staticmethod
+    def _queue_logprobs(requests: list[EngineRequest], tree: DeviceTree, part1,
+                        packed: torch.Tensor) -> StepLogprobs | None:
+        """The logprobs of a step's emitted tokens for its rows that ask, queued on the device right after the
+        step (before the next one overwrites its logits); packed [B, D + 3] on the device."""
+        asks = {i: r.params.logprobs for i, r in enumerate(requests) if r.params.logprobs is not None}
+        return queue_step_logprobs(tree, part1.logits, packed, asks) if asks else None
+
+    @staticmethod
+    def _read_logprobs(requests: list[EngineRequest], logprobs: StepLogprobs | None,
+                       packed: list[list[int]]) -> dict[Sequence, list[TokenLogprob]]:
+        """A step's queued logprobs, once its packed rows are on the host -> {sequence: one per emitted token}."""
+        if logprobs is None:
+            return {}
+        return {requests[i].seq: noted for i, noted in logprobs.read(packed).items()}
+
+    def _first_on_host(self, request: EngineRequest) -> bool:
+        """Whether a request's first output token is the host's (`_first_token`): its verdicts are, or it wants
+        logprobs (a decode step's are queued on the device, `step_logprobs`; the first token's, once a request,
+        are not)."""
+        return self._needs_host(request) or request.params.logprobs is not None
 
     def _needs_host(self, request: EngineRequest) -> bool:
-        """Whether the request's rows need the host's verdict: logprobs, penalties, or EOS still banned."""
+        """Whether the request's rows need the host's verdict: logit changes (penalties, guides), or EOS banned."""
         return request.host_always or request.seq.num_output_tokens < request.eos_banned_until
 
     def _row_sampling(self, request: EngineRequest, tree: DeviceTree | None) -> RowSampling | None:

@@ -392,3 +392,48 @@ def test_step_tables_rewrite_only_changed_rows_yet_match_the_block_manager(tiny,
     for i, p in enumerate(ps):
         assert done[i].token_ids == batch1(model, p, 20), i
     assert any(preempted) and 0.2 < sum(kept) / len(kept) < 1  # rows were kept, and rewritten
+
+
+def _stepped(engine, prompts, params) -> list[tuple[list[int], list | None, str]]:
+    """Each request's (tokens, logprobs gathered from its outputs' new_logprobs, finish reason), stepping."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    got = {rid: ([], None, None) for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, logprobs, _ = got[out.request_id]
+            if out.new_logprobs is not None:
+                logprobs = (logprobs or []) + out.new_logprobs
+            got[out.request_id] = (tokens + out.new_token_ids, logprobs, out.finish_reason)
+    return [got[rid] for rid in ids]
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_logprobs_rows_overlap_and_report_what_the_synchronous_plain_engine_does(tiny, interval):
+    """Requests asking for logprobs take the device's verdicts and overlapped steps (each step's logprobs are
+    queued on the device with it): greedy and seeded sampled ones, k = 0, 1 and 3 in one batch, one cut by a
+    stop token mid-step. Tokens, logprobs, ranks and alternatives equal the synchronous plain engine's."""
+    model, heads = tiny
+    ps = random_prompts(6, VOCAB, 30, seed=8)
+    stop = batch1(model, ps[4], 20)[7]
+    params = [SamplingParams(max_tokens=16, logprobs=1), SamplingParams(max_tokens=16, logprobs=3),
+              SamplingParams(max_tokens=16, temperature=0.9, seed=3, logprobs=0),
+              SamplingParams(max_tokens=16, temperature=1.1, top_k=6, seed=4, logprobs=3),
+              SamplingParams(max_tokens=20, logprobs=2, stop_token_ids=[stop]),
+              SamplingParams(max_tokens=16)]
+    reference = _stepped(engine_for(model, None, False), ps, params)
+    engine = engine_for(model, heads, True, apply_interval=interval)
+    launched = count_launches(engine)
+    outs = _stepped(engine, ps, params)
+    assert len(launched) > 5 and max(launched) > 1  # speculative steps, overlapped, with the logprobs rows
+    for (tokens, logprobs, reason), (want, want_logprobs, want_reason), sp in zip(outs, reference, params):
+        assert (tokens, reason) == (want, want_reason)
+        if sp.logprobs is None:
+            assert logprobs is None
+            continue
+        assert [lp.token_id for lp in logprobs] == tokens
+        for got, expected in zip(logprobs, want_logprobs, strict=True):
+            assert (got.token_id, got.rank, [t for t, _ in got.top]) == (expected.token_id, expected.rank,
+                                                                            [t for t, _ in expected.top])
+            assert got.logprob == pytest.approx(expected.logprob, abs=1e-5) and len(got.top) == sp.logprobs
+    assert outs[4][2] == "stop" and len(outs[4][0]) < 20
+    assert engine.blocks.num_free_blocks == 256 and not engine.blocks.ref_counts.any()
