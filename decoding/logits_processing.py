@@ -92,7 +92,8 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
         if rules.choices:
             logits = _follow_choices(logits, rules, texts)
     if rules.guide is not None:
-        logits = _follow_guide(logits, rules, output_ids, _node_texts([], tree, candidates, num_nodes))
+        tokens = candidates.tolist() if tree is not None and num_nodes > 1 else [None]
+        logits = _follow_guide(logits, rules, output_ids, tokens, tree.spec.parent_ids if num_nodes > 1 else (-1,))
     if params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1:
         return logits  # no count-based penalty: skip the [N, V] counts
     output = torch.tensor(list(output_ids), dtype=torch.long, device=device)
@@ -150,31 +151,29 @@ def follow_guides(logits: torch.Tensor, rules: Sequence[TokenRules], outputs: Se
     rows, nodes, vocab = logits.shape
     guides, states, ends = [], [], []
     for rule, output, tokens in zip(rules, outputs, candidates.tolist()):
-        states += _guide_states(rule, output, [[tokens[j] for j in path] for path in tree.spec.node_paths[:nodes]])
+        states += _guide_states(rule, output, tokens, tree.spec.parent_ids)
         guides += [rule.guide.guide] * nodes
         ends += [rule.ends] * nodes
     flat = logits.reshape(rows * nodes, vocab).float()
     return _mask_by_guides(flat, guides, states, ends).view(rows, nodes, vocab)
 
 
-def _follow_guide(logits: torch.Tensor, rules: TokenRules, output_ids: Sequence[int],
-                  paths: list[list[int]]) -> torch.Tensor:
+def _follow_guide(logits: torch.Tensor, rules: TokenRules, output_ids: Sequence[int], tokens: Sequence[int],
+                  parents: Sequence[int]) -> torch.Tensor:
     """Each node may write only tokens that keep its text (the output, then its path below the root) a prefix of
     a match of the guide's pattern, and an end token where that text matches."""
-    states = _guide_states(rules, output_ids, paths)
+    states = _guide_states(rules, output_ids, tokens, parents)
     return _mask_by_guides(logits, [rules.guide.guide] * len(states), states, [rules.ends] * len(states))
 
 
-def _guide_states(rules: TokenRules, output_ids: Sequence[int], paths: list[list[int]]) -> list[int]:
-    """The guide's state at each node: after the output, then the node's path below the root."""
-    guide = rules.guide.guide
-    root = rules.guide.state_after(output_ids)
-    states = []
-    for path in paths:
-        state = root
-        for token in path:
-            state = guide.advance(state, token)
-        states.append(state)
+def _guide_states(rules: TokenRules, output_ids: Sequence[int], tokens: Sequence[int],
+                  parents: Sequence[int]) -> list[int]:
+    """The guide's state at each node (tokens [N], the root's first; parents [N], parents before children): the
+    root's after the output, which ends with it; a node's after its parent's, then its own token. One move a
+    node, where walking each node's path from the root would take one a token of it."""
+    guide, states = rules.guide.guide, [rules.guide.state_after(output_ids)]
+    for node in range(1, len(tokens)):
+        states.append(guide.advance(states[parents[node]], tokens[node]))
     return states
 
 

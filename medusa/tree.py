@@ -191,6 +191,10 @@ class TreeSpec:
         return torch.tensor([-1] + [idx[p[:-1]] for p in self.paths] + chain[: self.lookup], dtype=torch.long)
 
     @cached_property
+    def parent_ids(self) -> tuple[int, ...]:  # `parents` as host ints, for loops over the nodes
+        return tuple(self.parents.tolist())
+
+    @cached_property
     def depths(self) -> torch.Tensor:  # [N] long, root 0
         chain = list(range(1, self.lookup + 1))
         return torch.tensor([0] + [len(p) for p in self.paths] + chain, dtype=torch.long)
