@@ -101,7 +101,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 requests of 6 tokens")
     args = parser.parse_args()
+    if args.quick:
+        args.requests, args.max_tokens = 2, 6
     gpu = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
     torch.manual_seed(0)

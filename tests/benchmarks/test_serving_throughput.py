@@ -119,6 +119,16 @@ def test_host_time_quick(default_model_dir, tmp_path):
     assert set(detok) == {"bytes", "stream", "window_rust", "window_transformers"} and min(detok.values()) > 0
 
 
+def test_host_verdicts_quick(default_model_dir, tmp_path):
+    """Logprobs rows are never decided on the host; guided and penalized rows are, in a few reads a step."""
+    kinds = run("host_verdicts.py", tmp_path)["kinds"]
+    assert set(kinds) == {"free", "guided_json", "logprobs", "presence_penalty"}
+    assert all(kind["decode_steps"] > 0 for kind in kinds.values())
+    assert kinds["free"]["host_rows_per_step"] == kinds["logprobs"]["host_rows_per_step"] == 0
+    assert kinds["guided_json"]["host_rows_per_step"] > 0 and kinds["presence_penalty"]["host_rows_per_step"] > 0
+    assert kinds["guided_json"]["reads_per_step"] <= 3 and kinds["presence_penalty"]["reads_per_step"] <= 3
+
+
 def test_spread_order_samples_the_whole_file_from_its_first_requests():
     """Spec-Bench lists its categories one after another; a level's first requests must not all be the first's."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
