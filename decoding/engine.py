@@ -50,7 +50,7 @@ from medusa.decoding.engine_config import EngineConfig
 from medusa.decoding.engine_request import (EngineRequest, cannot_stop, checked_params, make_detokenizer,
                                             prompt_token_ids, token_rules, until_stop_string)
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, to_device
-from medusa.decoding.logits_processing import follow_guides, penalize, suppress_eos, token_logprobs
+from medusa.decoding.logits_processing import batch_changes, penalize, suppress_eos, token_logprobs
 from medusa.decoding.model_runner import ModelRunner
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
 from medusa.decoding.prefill_graphs import PromptSegment
@@ -67,6 +67,9 @@ from medusa.tree import TreeSpec
 
 __all__ = ["EngineConfig", "LLMEngine", "stream"]
 
+# rows whose logit changes are made together (a guide, count penalties): [rows, N, V] float32 at a time, 63 MB
+# for 16 rows of a 20-node tree over a 49k vocabulary (a 128k one: 164 MB)
+HOST_CHUNK_ROWS = 16
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are computed at once (a 128k vocabulary: 128 MB in fp32)
 
 
@@ -645,32 +648,34 @@ class LLMEngine:
     def _verify_on_host(self, requests: list[EngineRequest], tree: DeviceTree, part1) -> None:
         """Verdicts for rows the device rules cannot decide (min_tokens, penalties, guides): each such row's node
         targets from its own changed logits (the argmax, or its sampler's draw), then one batched verdict for
-        them all on the device, over the device's own. Nothing is read back here: the step's packed copy
-        carries these verdicts with the others."""
+        them all on the device, over the device's own. Rows whose changes can be made together (`batchable`)
+        are, HOST_CHUNK_ROWS at a time. Nothing is read back here but a guided chunk's candidates: the
+        step's packed copy carries these verdicts with the others."""
         host = [i for i, request in enumerate(requests) if self._needs_host(request)]
         if not host:
             return
         n = tree.num_nodes
-        guided = [i for i in host if requests[i].guide_only]
-        others = [i for i in host if not requests[i].guide_only]
-        targets = [self._guided_targets(requests, guided, tree, part1)] if guided else []
+        together = [i for i in host if requests[i].batchable]
+        alone = [i for i in host if not requests[i].batchable]
+        targets = [self._batch_targets(requests, together[at:at + HOST_CHUNK_ROWS], tree, part1)
+                   for at in range(0, len(together), HOST_CHUNK_ROWS)]
         targets += [self._host_targets(requests[i], tree, part1.logits[i * n:(i + 1) * n], part1.candidates[i])[None]
-                    for i in others]
-        self.runner.decode.override(tree, guided + others, part1.candidates, torch.cat(targets))
+                    for i in alone]
+        self.runner.decode.override(tree, together + alone, part1.candidates, torch.cat(targets))
 
-    def _guided_targets(self, requests: list[EngineRequest], rows: list[int], tree: DeviceTree,
-                        part1) -> torch.Tensor:
-        """Rows whose guides are their only logit changes, masked all at once (`follow_guides`) -> their node
-        targets [G, N]: one argmax for them all, then a sampled row's draws, or a row's under the min_tokens
-        ban, row by row."""
+    def _batch_targets(self, requests: list[EngineRequest], rows: list[int], tree: DeviceTree,
+                       part1) -> torch.Tensor:
+        """Batchable rows' logit changes made at once (`batch_changes`) -> their node targets [G, N]: one argmax
+        for them all, then a sampled row's draws, or a row's under the min_tokens ban, row by row."""
         n, at = tree.num_nodes, to_device(rows, torch.long, self.device)
-        logits = follow_guides(part1.logits.view(-1, n, part1.logits.shape[-1])[at],
-                               [requests[i].rules for i in rows], [requests[i].seq.output_token_ids for i in rows],
-                               tree, part1.candidates[at])  # [G, N, V]
+        asked = [requests[i] for i in rows]
+        logits = batch_changes(part1.logits.view(-1, n, part1.logits.shape[-1])[at], [r.params for r in asked],
+                               [r.rules for r in asked], [r.seq.output_token_ids for r in asked],
+                               [r.seq.prompt_token_ids for r in asked], tree, part1.candidates[at])  # [G, N, V]
         targets = logits.argmax(-1)  # [G, N]
-        for g, i in enumerate(rows):
-            if not requests[i].sampling.greedy or requests[i].seq.num_output_tokens < requests[i].eos_banned_until:
-                targets[g] = self._host_targets(requests[i], tree, None, None, changed=logits[g])
+        for g, request in enumerate(asked):
+            if not request.sampling.greedy or request.seq.num_output_tokens < request.eos_banned_until:
+                targets[g] = self._host_targets(request, tree, None, None, changed=logits[g])
         return targets
 
     def _host_targets(self, request: EngineRequest, tree: DeviceTree, raw: torch.Tensor, candidates: torch.Tensor,

@@ -52,10 +52,13 @@ class EngineRequest:
         self.prompt_logprobs = None if params.prompt_logprobs is None else [None]
 
     @property
-    def guide_only(self) -> bool:
-        """Whether a guided regex, schema or grammar is the only change to its logits (`follow_guides` batches
-        such rows)."""
-        return self.rules.guide is not None and not self.params.has_logit_changes
+    def batchable(self) -> bool:
+        """Whether its logit changes, if any, are a guided regex, schema or grammar and count penalties, which
+        `logits_processing.batch_changes` makes for many rows at once (bias, allowed tokens, bad words and
+        choices are made row by row)."""
+        params = self.params
+        return not (params.logit_bias or params.allowed_token_ids is not None or params.bad_words
+                    or params.guided_choice)
 
 
 def make_detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer | FinalDetokenizer | None:

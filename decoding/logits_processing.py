@@ -94,20 +94,63 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
     if rules.guide is not None:
         tokens = candidates.tolist() if tree is not None and num_nodes > 1 else [None]
         logits = _follow_guide(logits, rules, output_ids, tokens, tree.spec.parent_ids if num_nodes > 1 else (-1,))
-    if params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1:
-        return logits  # no count-based penalty: skip the [N, V] counts
-    output = torch.tensor(list(output_ids), dtype=torch.long, device=device)
-    counts = torch.bincount(output, minlength=vocab).float()[None].repeat(num_nodes, 1)  # [N, V]
-    if tree is not None and num_nodes > 1:
+    if not params.has_count_penalties:
+        return logits  # skip the [N, V] counts
+    rows = candidates[None] if tree is not None and num_nodes > 1 else None
+    return count_penalties(logits[None], [params], [output_ids], [prompt_ids], tree, rows)[0]
+
+
+def batch_changes(logits: torch.Tensor, params: Sequence[SamplingParams], rules: Sequence[TokenRules],
+                  outputs: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]], tree: DeviceTree,
+                  candidates: torch.Tensor) -> torch.Tensor:
+    """`penalize` for G rows whose logit changes are at most a guide and count penalties (no bias, allowed
+    tokens, bad words or choices: `EngineRequest.batchable`), at once: logits [G, N, V] at the nodes of `tree`,
+    candidates [G, N] -> float32 logits, each row's guide followed, then its penalties applied."""
+    logits = logits.float()
+    guided = [g for g, rule in enumerate(rules) if rule.guide is not None]
+    if guided:
+        at = to_device(guided, torch.long, logits.device)
+        logits[at] = follow_guides(logits[at], [rules[g] for g in guided], [outputs[g] for g in guided], tree,
+                                   candidates[at])
+    penalized = [g for g, p in enumerate(params) if p.has_count_penalties]
+    if penalized:
+        at = to_device(penalized, torch.long, logits.device)
+        logits[at] = count_penalties(logits[at], [params[g] for g in penalized], [outputs[g] for g in penalized],
+                                     [prompts[g] for g in penalized], tree, candidates[at])
+    return logits
+
+
+def count_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]],
+                    prompts: Sequence[Sequence[int]], tree: DeviceTree | None,
+                    candidates: torch.Tensor | None) -> torch.Tensor:
+    """The repetition penalty and OpenAI's presence / frequency penalties of G rows at once: logits [G, N, V] at
+    the nodes of `tree` (candidates [G, N]; or None, and N = 1, with no tree) -> float32 logits. Each node
+    counts the row's output (which ends with the root) and its own path below the root; the repetition
+    penalty also every prompt token. Nothing is read back (counts by index_add, not bincount)."""
+    rows, nodes, vocab = logits.shape
+    device = logits.device
+    ids = to_device([token + g * vocab for g, output in enumerate(outputs) for token in output], torch.long, device)
+    counts = torch.zeros(rows * vocab, device=device).index_add_(0, ids, torch.ones(len(ids), device=device))
+    counts = counts.view(rows, 1, vocab).repeat(1, nodes, 1)  # [G, N, V]
+    if candidates is not None and nodes > 1:
         on_path = tree.mask[:, 1:].float()  # [N, N - 1]: node j >= 1 is node i's ancestor-or-self
-        counts.scatter_add_(1, candidates[1:].expand(num_nodes, -1), on_path)
-    if params.repetition_penalty != 1:
+        counts.scatter_add_(2, candidates[:, None, 1:].expand(-1, nodes, -1), on_path.expand(rows, -1, -1))
+
+    def per_row(name: str) -> torch.Tensor:  # [G, 1, 1]
+        return to_device([getattr(p, name) for p in params], torch.float32, device).view(rows, 1, 1)
+
+    logits = logits.float()
+    if any(p.repetition_penalty != 1 for p in params):
         seen = counts > 0
-        if len(prompt_ids):
-            seen[:, torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
-        penalty = params.repetition_penalty
+        in_prompt = [token + g * vocab for g, (p, prompt) in enumerate(zip(params, prompts))
+                     if p.repetition_penalty != 1 for token in prompt]
+        if in_prompt:
+            marked = torch.zeros(rows * vocab, dtype=torch.bool, device=device)
+            marked[to_device(in_prompt, torch.long, device)] = True
+            seen |= marked.view(rows, 1, vocab)
+        penalty = per_row("repetition_penalty")
         logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    return logits - per_row("frequency_penalty") * counts - per_row("presence_penalty") * (counts > 0).float()
 
 
 def _node_texts(output_ids: Sequence[int], tree: DeviceTree | None, candidates: torch.Tensor | None,

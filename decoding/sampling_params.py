@@ -187,13 +187,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Whether any logit change (bias, allowed tokens, bad words, a guide or a penalty) applies: the host then
         gives every verdict."""
-        return self.has_logit_changes or bool(self.guides)
+        return (self.has_count_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words) or bool(self.guides))
 
     @property
-    def has_logit_changes(self) -> bool:
-        """Whether a logit change other than a guide applies: bias, allowed tokens, bad words or a penalty."""
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words))
+    def has_count_penalties(self) -> bool:
+        """Whether a penalty that counts the output's tokens applies: repetition, presence or frequency."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

@@ -283,3 +283,35 @@ def test_logit_bias_is_kept_as_sorted_pairs():
     assert SamplingParams(repetition_penalty=1).has_penalties is False
     allowed = SamplingParams(allowed_token_ids=[9, 2, 9])
     assert allowed.allowed_token_ids == (2, 9) and allowed.has_penalties and hash(allowed)
+
+
+def test_changes_made_for_many_rows_at_once_equal_each_row_penalized_alone():
+    """The engine's batched path (`batch_changes`: a guide, then count penalties, over G rows at once) against
+    `penalize` row by row, on a tree with lookup nodes: rows with different penalties (none too), outputs,
+    prompts, candidates, one guided; fresh random logits per row."""
+    from medusa.decoding.device_tree import DeviceTree
+    from medusa.decoding.logits_processing import TokenRules, batch_changes, penalize
+    from medusa.decoding.regex_dfa import compile_regex
+    from medusa.decoding.token_guide import GuideProgress, RegexGuide, VocabTrie
+    from medusa.tree import TreeSpec
+
+    tree = DeviceTree.from_spec(TreeSpec.load("tree-16").with_lookup(3), torch.device("cpu"))
+    n, gen = tree.num_nodes, torch.Generator().manual_seed(0)
+    kinds = [dict(presence_penalty=0.4, frequency_penalty=0.3), dict(repetition_penalty=1.8), dict(),
+             dict(repetition_penalty=0.6, presence_penalty=-0.5), dict(frequency_penalty=1.1)]
+    texts = [chr(97 + t) for t in range(VOCAB - 1)] + [None]  # token t spells a letter; the last is the end
+    guide = RegexGuide(compile_regex("[a-f]+"), VocabTrie(texts), [VOCAB - 1])
+    params, rules, outputs, prompts_ = [], [], [], []
+    for g, kind in enumerate(kinds):
+        guided = g == 2 or g == 4
+        params.append(SamplingParams(guided_regex="[a-f]+" if guided else None, **kind))
+        rules.append(TokenRules(ends=(VOCAB - 1,), guide=GuideProgress(guide)) if guided else TokenRules())
+        outputs.append(torch.randint(0, 6 if guided else VOCAB, (3 + g,), generator=gen).tolist())
+        prompts_.append(torch.randint(0, VOCAB, (5,), generator=gen).tolist())
+    candidates = torch.randint(0, VOCAB, (len(kinds), n), generator=gen)
+    logits = torch.randn(len(kinds), n, VOCAB, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    together = batch_changes(logits, params, rules, outputs, prompts_, tree, candidates)
+    for g in range(len(kinds)):
+        alone = penalize(params[g], outputs[g], logits[g], tree, candidates[g], prompts_[g], rules[g])
+        assert together.dtype == torch.float32 and torch.equal(together[g], alone.float()), kinds[g]
+    assert not torch.equal(together[0], logits[0].float())  # penalties did apply
