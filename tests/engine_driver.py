@@ -37,6 +37,20 @@ def run_staggered(engine, prompts, params, per_step: int = 3) -> dict:
     return done
 
 
+def run_with_logprobs(engine, prompts, params) -> list[tuple[list[int], list | None, str]]:
+    """All requests added at once, then steps until they finish -> each request's (tokens, logprobs gathered
+    from its outputs' new_logprobs, or None if it asked for none, finish reason)."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    got = {rid: ([], None, None) for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, logprobs, _ = got[out.request_id]
+            if out.new_logprobs is not None:
+                logprobs = (logprobs or []) + out.new_logprobs
+            got[out.request_id] = (tokens + out.new_token_ids, logprobs, out.finish_reason)
+    return [got[rid] for rid in ids]
+
+
 def count_launches(engine) -> list[int]:
     """-> a list that gets the tree size of each overlapped step the engine launches"""
     launched = []

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine_driver import run_staggered
+from engine_driver import count_launches, run_staggered, run_with_logprobs
 from medusa.decoding.engine import LLMEngine
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.medusa_model import MedusaModel
@@ -379,3 +379,37 @@ def test_graph_engine_guided_rows_write_plain_decodings_valid_json(default_model
     assert [o.token_ids for o in medusa[:2]] == [o.token_ids for o in plain[:2]]  # the free row: near ties may flip
     answer = json.loads(medusa[0].text)
     assert set(answer) == {"name", "age"} and re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", medusa[1].text)
+
+
+def test_graph_engine_step_logprobs_overlap_and_equal_a_full_forwards(default_model_dir):
+    """Requests asking for logprobs run overlapped graph steps beside free ones (their logprobs queued on the
+    device after each step, `step_logprobs.py`): tokens equal plain greedy's, and each token's logprob, rank and
+    top alternatives equal one eager forward's over the whole text."""
+    from medusa.attention import CausalAttention
+
+    model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
+    engine = model.engine()
+    engine.warmup(max_batch=4)
+    launched = count_launches(engine)
+    prompts = [model.encode([{"role": "user", "content": text}])
+               for text in ("Write a haiku about the sea.", "Name three prime numbers.", "What is 17 times 3?")]
+    params = [SamplingParams(max_tokens=32, logprobs=2), SamplingParams(max_tokens=32, logprobs=0),
+              SamplingParams(max_tokens=32)]
+    plain = [model.generate(p, max_new_tokens=32, speculative=False).token_ids for p in prompts]
+    done = run_with_logprobs(engine, prompts, params)
+    assert len(launched) > 5 and max(launched) > 1  # speculative steps, overlapped, with the logprobs rows
+    for prompt, asked, (tokens, logprobs, _), want in zip(prompts, params, done, plain):
+        assert tokens == want
+        if asked.logprobs is None:
+            assert logprobs is None
+            continue
+        ids = torch.tensor(prompt + tokens, device="cuda")
+        with torch.no_grad():
+            logp = torch.log_softmax(model.base.compute_logits(
+                model.base(ids, torch.arange(len(ids), device="cuda"), CausalAttention())).float(), -1)
+        rows = logp[len(prompt) - 1:-1]  # row i gave output token i
+        assert len(logprobs) == len(tokens)
+        for i, entry in enumerate(logprobs):
+            assert entry.token_id == tokens[i] and entry.rank == 1  # greedy: the most likely token
+            assert entry.logprob == pytest.approx(rows[i, entry.token_id].item(), abs=0.1)  # TF32 dots, as above
+            assert len(entry.top) == asked.logprobs and (not entry.top or entry.top[0][0] == entry.token_id)

@@ -13,7 +13,7 @@ from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import SchedulerConfig
 from medusa.decoding.tree_policy import unmeasured_prior
 from medusa.tree import TreeSpec
-from engine_driver import count_launches, random_prompts, run_staggered, single_thread
+from engine_driver import count_launches, random_prompts, run_staggered, run_with_logprobs, single_thread
 from tiny_models import tiny_decoder
 from test_engine import batch1
 
@@ -394,19 +394,6 @@ def test_step_tables_rewrite_only_changed_rows_yet_match_the_block_manager(tiny,
     assert any(preempted) and 0.2 < sum(kept) / len(kept) < 1  # rows were kept, and rewritten
 
 
-def _stepped(engine, prompts, params) -> list[tuple[list[int], list | None, str]]:
-    """Each request's (tokens, logprobs gathered from its outputs' new_logprobs, finish reason), stepping."""
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    got = {rid: ([], None, None) for rid in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens, logprobs, _ = got[out.request_id]
-            if out.new_logprobs is not None:
-                logprobs = (logprobs or []) + out.new_logprobs
-            got[out.request_id] = (tokens + out.new_token_ids, logprobs, out.finish_reason)
-    return [got[rid] for rid in ids]
-
-
 @pytest.mark.parametrize("interval", [1, 3])
 def test_logprobs_rows_overlap_and_report_what_the_synchronous_plain_engine_does(tiny, interval):
     """Requests asking for logprobs take the device's verdicts and overlapped steps (each step's logprobs are
@@ -420,10 +407,10 @@ def test_logprobs_rows_overlap_and_report_what_the_synchronous_plain_engine_does
               SamplingParams(max_tokens=16, temperature=1.1, top_k=6, seed=4, logprobs=3),
               SamplingParams(max_tokens=20, logprobs=2, stop_token_ids=[stop]),
               SamplingParams(max_tokens=16)]
-    reference = _stepped(engine_for(model, None, False), ps, params)
+    reference = run_with_logprobs(engine_for(model, None, False), ps, params)
     engine = engine_for(model, heads, True, apply_interval=interval)
     launched = count_launches(engine)
-    outs = _stepped(engine, ps, params)
+    outs = run_with_logprobs(engine, ps, params)
     assert len(launched) > 5 and max(launched) > 1  # speculative steps, overlapped, with the logprobs rows
     for (tokens, logprobs, reason), (want, want_logprobs, want_reason), sp in zip(outs, reference, params):
         assert (tokens, reason) == (want, want_reason)
