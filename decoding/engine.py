@@ -58,7 +58,7 @@ from medusa.decoding.sampler import TokenSampler
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import ScheduledSeq, Scheduler, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
-from medusa.decoding.step_logprobs import StepLogprobs, queue_step_logprobs
+from medusa.decoding.step_logprobs import StepLogprobs, queue_first_logprobs, queue_step_logprobs
 from medusa.decoding.tree_policy import TreePolicy
 from medusa.heads import MedusaHeads
 from medusa.kernels.paged_attention import kernel_pages
@@ -94,12 +94,14 @@ class _InFlight:
 
 @dataclass
 class _FirstTokens:
-    """First output tokens of admitted rows that need no host logic (greedy, or sampled without penalties,
-    logprobs or min_tokens), decided on the device and read back a step later, so an admission does not
-    stall the overlapped steps (the next step decodes from the device's roots)."""
+    """First output tokens of admitted rows that need no host logic (greedy, or sampled without penalties
+    or min_tokens; their logprobs queued on the device too), decided on the device and read back a step
+    later, so an admission does not stall the overlapped steps (the next step decodes from the device's
+    roots)."""
 
     requests: list[EngineRequest]
     tokens: PendingCopy  # [n], one per request
+    logprobs: StepLogprobs | None = None  # theirs, for those that ask
 
 
 def _rows_by_request(flights: list[_InFlight]) -> list[tuple[EngineRequest, list[tuple[int, list[int]]]]]:
@@ -416,8 +418,13 @@ class LLMEngine:
         for batch in self._first_tokens:
             for request in batch.requests:
                 request.first_pending = False
-            live = [(r, t) for r, t in zip(batch.requests, batch.tokens.tolist())
+            tokens = batch.tokens.tolist()
+            noted = batch.logprobs.read([(1, [token]) for token in tokens]) if batch.logprobs is not None else {}
+            live = [(r, t) for r, t in zip(batch.requests, tokens)
                     if self.requests.get(r.seq.request_id) is r]  # not aborted meanwhile
+            for j, request in enumerate(batch.requests):
+                if j in noted and self.requests.get(request.seq.request_id) is request:
+                    request.logprobs += noted[j]
             outputs += self._emit_first_tokens(live)
         self._first_tokens.clear()
         return outputs
@@ -485,16 +492,20 @@ class LLMEngine:
             at = to_device(fresh, torch.long, self.device)
             raw = self.model.compute_logits(last[at])  # [f, V]
             argmax = raw.argmax(-1)  # [f]
-            if self.overlap and not any(self._first_on_host(ready[k][0]) for k in fresh):
+            if self.overlap and not any(self._needs_host(ready[k][0]) for k in fresh):
                 # the device keeps the roots (argmax, or a draw for sampled rows); the host reads them a step later
                 first = self._draw_first_tokens([ready[k][0] for k in fresh], raw, argmax)
                 roots = to_device(roots, torch.long, self.device)
                 roots[at] = first
                 deferred = copy_to_host(first)
+                asks = {j: ready[k][0].params.logprobs for j, k in enumerate(fresh)
+                        if ready[k][0].params.logprobs is not None}
+                first_logprobs = queue_first_logprobs(raw, first, asks)
                 for k in fresh:
                     ready[k][0].first_pending = True
             else:
-                plain = [ready[k][0].sampling.greedy and not self._first_on_host(ready[k][0]) for k in fresh]
+                plain = [(r := ready[k][0]).sampling.greedy and not self._needs_host(r) and r.params.logprobs is None
+                         for k in fresh]  # the others' tokens, and any logprobs, are `_first_token`'s
                 argmax = argmax.tolist()  # the step's one sync for plain greedy rows
                 for j, k in enumerate(fresh):
                     roots[k] = argmax[j] if plain[j] else self._first_token(ready[k][0], raw[j:j + 1])
@@ -510,7 +521,7 @@ class LLMEngine:
         bases = [request.seq.num_computed_tokens for request, _ in ready]
         step.set_states([request.row for request, _ in ready], roots, bases, last, propose, tokens)
         if deferred is not None:
-            self._first_tokens.append(_FirstTokens([ready[k][0] for k in fresh], deferred))
+            self._first_tokens.append(_FirstTokens([ready[k][0] for k in fresh], deferred, first_logprobs))
             return []
         return self._emit_first_tokens([(ready[k][0], roots[k]) for k in fresh])
 
@@ -704,13 +715,8 @@ class LLMEngine:
         """A step's queued logprobs, once its packed rows are on the host -> {sequence: one per emitted token}."""
         if logprobs is None:
             return {}
-        return {requests[i].seq: noted for i, noted in logprobs.read(packed).items()}
-
-    def _first_on_host(self, request: EngineRequest) -> bool:
-        """Whether a request's first output token is the host's (`_first_token`): its verdicts are, or it wants
-        logprobs (a decode step's are queued on the device, `step_logprobs`; the first token's, once a request,
-        are not)."""
-        return self._needs_host(request) or request.params.logprobs is not None
+        emitted = [(row[0], row[1:]) for row in packed]
+        return {requests[i].seq: noted for i, noted in logprobs.read(emitted).items()}
 
     def _needs_host(self, request: EngineRequest) -> bool:
         """Whether the request's rows need the host's verdict: logit changes (penalties, guides), or EOS banned."""

@@ -397,8 +397,9 @@ def test_step_tables_rewrite_only_changed_rows_yet_match_the_block_manager(tiny,
 @pytest.mark.parametrize("interval", [1, 3])
 def test_logprobs_rows_overlap_and_report_what_the_synchronous_plain_engine_does(tiny, interval):
     """Requests asking for logprobs take the device's verdicts and overlapped steps (each step's logprobs are
-    queued on the device with it): greedy and seeded sampled ones, k = 0, 1 and 3 in one batch, one cut by a
-    stop token mid-step. Tokens, logprobs, ranks and alternatives equal the synchronous plain engine's."""
+    queued on the device with it, and their first token's at admission): greedy and seeded sampled ones, k = 0,
+    1 and 3 in one batch, one cut by a stop token mid-step. Tokens, logprobs, ranks and alternatives equal the
+    synchronous plain engine's."""
     model, heads = tiny
     ps = random_prompts(6, VOCAB, 30, seed=8)
     stop = batch1(model, ps[4], 20)[7]
@@ -408,6 +409,10 @@ def test_logprobs_rows_overlap_and_report_what_the_synchronous_plain_engine_does
               SamplingParams(max_tokens=20, logprobs=2, stop_token_ids=[stop]),
               SamplingParams(max_tokens=16)]
     reference = run_with_logprobs(engine_for(model, None, False), ps, params)
+    admitting = engine_for(model, heads, True, apply_interval=interval)
+    for p, sp in zip(ps, params):
+        admitting.add_request(p, sp)
+    assert admitting.step() == [] and len(admitting._first_tokens) == 1  # first tokens, logprobs too: no read
     engine = engine_for(model, heads, True, apply_interval=interval)
     launched = count_launches(engine)
     outs = run_with_logprobs(engine, ps, params)
