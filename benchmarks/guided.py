@@ -17,6 +17,7 @@ answer reaches), against the same request once the guide is built. Writes result
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from contextlib import contextmanager
@@ -87,6 +88,9 @@ def main() -> None:
     if gpu:
         for engine in engines.values():
             engine.warmup()
+    # each kind of request starts from the warmed-up tree policy: what guided rows teach it (their steps cost
+    # host verdicts) must not carry into the free runs (session 38: Medusa then ran plain steps everywhere)
+    policies = {mode: copy.deepcopy(engine.policy) for mode, engine in engines.items()}
     guided = SamplingParams(max_tokens=args.max_tokens, guided_json=SCHEMA)
     free = SamplingParams(max_tokens=args.max_tokens)
     spread = [rows[i] for i in spread_order(len(rows))]
@@ -97,6 +101,8 @@ def main() -> None:
         level = asks[:2 * concurrency if args.quick else max(8 * concurrency, 32)]
         for name, params in (("guided", guided), ("guided, no forced text", guided), ("free", free)):
             # the faster of two runs each: a level's first Medusa run may capture graphs
+            for mode, engine in engines.items():
+                engine.policy = copy.deepcopy(policies[mode])
             with unforced(name.endswith("no forced text")):
                 runs = {mode: max((run_level(engine, level, params, concurrency) for _ in range(args.repeats)),
                                   key=lambda run: run["tok_s"]) for mode, engine in engines.items()}
