@@ -420,11 +420,11 @@ class LLMEngine:
                 request.first_pending = False
             tokens = batch.tokens.tolist()
             noted = batch.logprobs.read([(1, [token]) for token in tokens]) if batch.logprobs is not None else {}
-            live = [(r, t) for r, t in zip(batch.requests, tokens)
-                    if self.requests.get(r.seq.request_id) is r]  # not aborted meanwhile
-            for j, request in enumerate(batch.requests):
-                if j in noted and self.requests.get(request.seq.request_id) is request:
-                    request.logprobs += noted[j]
+            live = []
+            for j, (request, token) in enumerate(zip(batch.requests, tokens)):
+                if self.requests.get(request.seq.request_id) is request:  # not aborted meanwhile
+                    request.logprobs += noted.get(j, [])
+                    live.append((request, token))
             outputs += self._emit_first_tokens(live)
         self._first_tokens.clear()
         return outputs

@@ -79,9 +79,9 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
     logits = logits.float().clone()
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias)
-        logits[:, torch.tensor(ids, device=device)] += torch.tensor(bias, device=device)
+        logits[:, to_device(ids, torch.long, device)] += to_device(bias, torch.float32, device)
     if params.allowed_token_ids is not None:
-        allowed = torch.tensor(params.allowed_token_ids, device=device)
+        allowed = to_device(params.allowed_token_ids, torch.long, device)
         logits = torch.full_like(logits, float("-inf")).index_copy_(1, allowed, logits[:, allowed])
     if rules.bad_words or rules.choices:
         # the output's tail is enough: a word is matched at the text's end, and an output longer than every

@@ -202,7 +202,7 @@ class TreeSpec:
     @cached_property
     def node_paths(self) -> tuple[tuple[int, ...], ...]:
         """Node i's path below the root, as node ids in depth order (i itself last; the root's is empty)."""
-        parents, paths = self.parents.tolist(), [()]
+        parents, paths = self.parent_ids, [()]
         for i in range(1, self.num_nodes):  # parents precede children
             paths.append(paths[parents[i]] + (i,))
         return tuple(paths)
@@ -228,7 +228,7 @@ class TreeSpec:
     def attention_mask(self) -> torch.Tensor:  # [N, N] bool, mask[i, j]: j is ancestor-or-self of i
         n = self.num_nodes
         mask = torch.zeros(n, n, dtype=torch.bool)
-        parents = self.parents.tolist()
+        parents = self.parent_ids
         for i in range(n):
             if parents[i] >= 0:  # parents precede children, so their row is complete
                 mask[i] = mask[parents[i]]
@@ -249,7 +249,7 @@ class TreeSpec:
     def retrieve_indices(self) -> torch.Tensor:  # [num_leaves, max_depth + 1] long, -1 padded
         """Node indices along each root-to-leaf path (root first), one row per leaf in
         node order; the verifier reads candidate sequences and their logits through it."""
-        parents = self.parents.tolist()
+        parents = self.parent_ids
         rows = []
         for leaf in torch.nonzero(self.is_leaf).flatten().tolist():
             chain = [leaf]
@@ -276,7 +276,7 @@ class TreeSpec:
                 f"ancestor_bits packs the mask into int64 and needs <= 64 nodes; "
                 f"tree {self.name!r} has {self.num_nodes}"
             )
-        parents = self.parents.tolist()
+        parents = self.parent_ids
         bits = [0] * self.num_nodes
         for i in range(self.num_nodes):
             bits[i] = (bits[parents[i]] if parents[i] >= 0 else 0) | (1 << i)
