@@ -1,14 +1,16 @@
 """The batched decoding step: propose -> forward the trees -> verify -> compact KV -> next proposals.
 
 All of it runs on the device from static buffers, in two parts so that rows
-needing host logic (sampling, min_tokens, logprobs) can be decided between
+needing host logic (guides, logit bias, bad words) can be decided between
 them:
 
     part 1  each row's tree placed at its committed length (positions, KV slots, lengths),
             candidates from each row's saved root and head top-k (and, for a tree's
             lookup chain, n-gram proposals from the row's token history), one
-            forward of B x N tree tokens over the paged cache, logits, greedy verdict
-    (host)  `verifier.verify` for the rows that need it, written into `best`/`next`
+            forward of B x N tree tokens over the paged cache, logits (count penalties
+            and min_tokens bans applied, `device_changes.py`), each row's verdict
+            (greedy, or its seeded draws)
+    (host)  targets for the rows that need it, one verdict written into `best`/`next`
     part 2  emitted tokens (appended to the token history), KV of accepted paths moved
             into place, committed lengths advanced, heads at the accepted node -> each
             row's next root and top-k saved (a plain step that the next step will not
@@ -37,6 +39,7 @@ import torch
 from medusa.config import ModelConfig
 from medusa.decoding.batch_verify import sampled_targets
 from medusa.decoding.block_manager import BlockManager
+from medusa.decoding.device_changes import DeviceChanges, RowChanges
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, host_buffer, overwritten, to_device, upload
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
@@ -173,6 +176,9 @@ class DecodeStep:
         self.forced = torch.zeros(max_seqs, max(max_lookup, 1), **long)
         self.forced_len = torch.zeros(max_seqs, **long)
         self.forced_step = False  # whether the prepared step lays forced tokens (graphs of their own)
+        # count penalties and min_tokens bans the device makes alone (`device_changes.py`)
+        self.changes = DeviceChanges(max_seqs, model.config.vocab_size, self.device)
+        self.changes_step = False  # whether the prepared step changes logits (graphs of their own)
         self.sampling_step = GREEDY  # the prepared step's sampling kind (graphs of their own)
         self.propose_step = True  # whether the prepared step runs the heads for the next one
         self.kv_bound: int | None = None  # the prepared step's max_kv_len (`kv_len_bound`)
@@ -247,7 +253,8 @@ class DecodeStep:
 
     def prepare(self, seqs: list, rows: list[int], tree: DeviceTree, blocks: BlockManager,
                 sampling: list[RowSampling | None] | None = None, propose: bool = True,
-                prompts: PromptSegment | None = None, forced: list[tuple[int, ...]] | None = None) -> int:
+                prompts: PromptSegment | None = None, forced: list[tuple[int, ...]] | None = None,
+                changes: list[RowChanges | None] | None = None) -> int:
         """Fill the input buffers for `seqs` (state rows `rows`; `sampling` per row, None = greedy);
         returns the padded batch size. A sequence's block table must back its committed tokens, the
         tokens of its steps in flight (`num_inflight_tokens`) and this tree's.
@@ -257,6 +264,7 @@ class DecodeStep:
         prompts: uploaded prompt chunks to run in the same forward (their hidden states come back
         in `_Part1.prompt_hidden`); each (padded batch, tree, prompt bucket) is a graph of its own.
         forced: per row, tokens to lay on the tree's lookup chain instead of its n-gram proposals (guided rows).
+        changes: per row, the count penalties and min_tokens ban the device applies (None: none).
         """
         self.propose_step, self.prompts = propose, prompts
         if self._uploaded is not None:  # an overlapped step's upload may still be queued behind the step before
@@ -294,6 +302,7 @@ class DecodeStep:
             self._uploaded.record()
         self._prepare_sampling(sampling or [], padded)
         self._prepare_forced(forced or [], padded, tree.num_lookup)
+        self.changes_step = self.changes.prepare(changes or [], padded)
         return padded
 
     def _prepare_forced(self, forced: list[tuple[int, ...]], padded: int, lookup: int) -> None:
@@ -382,17 +391,19 @@ class DecodeStep:
     def forward(self, tree: DeviceTree, padded: int) -> _Part1:
         """Part 1; afterwards `best`/`next` hold the greedy verdict of every row."""
         if not self.use_graphs:
-            self._last = self._part1(tree, padded, self.sampling_step, self.prompts, self.kv_bound)
+            self._last = self._part1(tree, padded, self.sampling_step, self.prompts, self.kv_bound, self.changes_step)
             return self._last
-        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step, self.prompts, self.kv_bound)
+        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step, self.prompts, self.kv_bound,
+                             self.changes_step)
         graphs["g1"].replay()
         return graphs["part1"]
 
     def finish(self, tree: DeviceTree, padded: int) -> torch.Tensor:
         """Part 2 -> packed [Bp, D + 3] long on the device: (count, D + 1 tokens, best node) per row."""
         if not self.use_graphs:
-            return self._part2(tree, padded, self._last, self.propose_step)
-        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step, self.prompts, self.kv_bound)
+            return self._part2(tree, padded, self._last, self.propose_step, self.changes_step)
+        graphs = self._graph(tree, padded, self.sampling_step, self.propose_step, self.prompts, self.kv_bound,
+                             self.changes_step)
         graphs["g2"].replay()
         return graphs["packed"]
 
@@ -408,8 +419,8 @@ class DecodeStep:
         return packed, copy_to_host(packed, host, self._result_done[turn])
 
     def override(self, tree: DeviceTree, rows: list[int], candidates: torch.Tensor, targets: torch.Tensor) -> None:
-        """Host-decided node targets [H, N] for batch rows `rows` (logits the host changed: penalties, guides,
-        the min_tokens ban): their verdicts, on the device, replace the device's own before part 2.
+        """Host-decided node targets [H, N] for batch rows `rows` (logits the host changed: guides, bias,
+        allowed tokens, bad words, choices): their verdicts, on the device, replace the device's own before part 2.
         candidates [Bp, N]: the step's."""
         at = to_device(rows, torch.long, self.device)
         best, next_tokens = torch.empty_like(at), torch.empty_like(at)
@@ -420,7 +431,7 @@ class DecodeStep:
     # ---- the two parts ----------------------------------------------------
 
     def _part1(self, tree: DeviceTree, padded: int, sampling: int, prompts: PromptSegment | None = None,
-               kv_bound: int | None = None) -> _Part1:
+               kv_bound: int | None = None, changes: bool = False) -> _Part1:
         n = tree.num_nodes
         rows = self.rows[:padded]
         # each row's tree after its committed tokens (base [Bp]): fills `slots` and `kv_lens`
@@ -443,14 +454,15 @@ class DecodeStep:
             ids, positions, meta = _with_prompts(ids, positions, meta, prompts, padded * n)
         hidden = self.cache.forward(self.model, ids, positions, meta)  # [Bp * N (+ P), H]
         hidden, prompt_hidden = hidden[: padded * n], (hidden[padded * n:] if prompts is not None else None)
-        logits = self.model.compute_logits(hidden)  # [Bp * N, V]
-        targets = top_k_indices(logits, 1).view(padded, n)  # argmax: the first maximum, in two launches
-        root_window = None
+        logits = self.model.compute_logits(hidden)  # [Bp * N, V], raw: logprobs are reported from them
+        # tokens each row's steps in flight accepted past the host's count: node i's target is output
+        # number (host's count) + root_window + depth(i)
+        root_window = base - self.known_base[:padded] if sampling or changes else None  # [Bp]
+        chosen = self.changes.apply(logits, rows, tree, candidates, root_window) if changes else logits
+        targets = top_k_indices(chosen.view(padded * n, -1), 1).view(padded, n)  # argmax: the first maximum
         if sampling:  # lossless sampling: each node's target is a draw; acceptance is then the same test
-            # node i draws output number (host's count) + (tokens accepted since) + depth(i)
-            root_window = base - self.known_base[:padded]  # [Bp]
             uniforms = self._uniforms_at(root_window[:, None] + tree.depths[None])  # [Bp, N]
-            drawn = sampled_targets(logits.view(padded, n, -1), self.temperature[:padded], self.top_k[:padded],
+            drawn = sampled_targets(chosen.view(padded, n, -1), self.temperature[:padded], self.top_k[:padded],
                                     self.top_p[:padded], self.min_p[:padded], uniforms,
                                     filtered=sampling == FILTERED)
             targets = torch.where(self.sampled[:padded, None], drawn, targets)
@@ -462,7 +474,8 @@ class DecodeStep:
         float64; columns past the buffer read its last one (junk for a draw no row can emit)."""
         return self.uniforms[: window.shape[0]].gather(1, window.clamp(max=self.uniforms.shape[1] - 1))
 
-    def _part2(self, tree: DeviceTree, padded: int, part1: _Part1, propose: bool = True) -> torch.Tensor:
+    def _part2(self, tree: DeviceTree, padded: int, part1: _Part1, propose: bool = True,
+               changes: bool = False) -> torch.Tensor:
         n = tree.num_nodes
         best, next_tokens, rows = self.best[:padded], self.next[:padded], self.rows[:padded]
         history = (self.history, self.history_len) if self.max_lookup else (None, None)
@@ -470,6 +483,8 @@ class DecodeStep:
         packed, src, dst = accept(tree, part1.candidates, best, next_tokens, self.slots[: padded * n].view(padded, n),
                                   rows, self.roots, self.row_base, self.padding_row, *history)
         self.cache.move_all(src, dst, src.numel() // padded)  # one row of moves per batch row
+        if changes:
+            self.changes.record(rows, packed)
         if self.kmax and (propose or tree.num_nodes > 1):
             at_best = part1.hidden.view(padded, n, -1)[torch.arange(padded, device=self.device), best]  # [Bp, H]
             head_logits = self.heads(at_best, self.model.lm_head.weight, roots=next_tokens)  # [K, Bp, V]
@@ -500,20 +515,21 @@ class DecodeStep:
     # ---- CUDA graphs ------------------------------------------------------
 
     def _graph(self, tree: DeviceTree, padded: int, sampling: int, propose: bool = True,
-               prompts: PromptSegment | None = None, kv_bound: int | None = None) -> dict:
+               prompts: PromptSegment | None = None, kv_bound: int | None = None, changes: bool = False) -> dict:
         """The graphs of one key, captured at first use; a graph of the tables' width also captures its
         short-context sibling (`kv_len_bound`) if it has one, so that warmup leaves none for the hot path."""
         prompt_tokens = prompts.num_tokens if prompts else 0
-        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, kv_bound, self.forced_step, prompt_tokens)
+        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, kv_bound, self.forced_step, changes,
+               prompt_tokens)
         if key not in self._graphs:
             start = time.perf_counter()
-            self._graphs[key] = self._capture(tree, padded, sampling, key[3], prompts, kv_bound=kv_bound)
+            self._graphs[key] = self._capture(tree, padded, sampling, key[3], prompts, kv_bound, changes)
             self._shapes.add((padded, tree.spec, key[-1]))
             self.capture_seconds += time.perf_counter() - start
             short = kv_len_bound(padded, tree.num_nodes, 0, self._table_keys, prompts is not None,
                                  bounds_tree_keys(self.model.config, tree.num_nodes))
             if kv_bound is None and short is not None:
-                self._graph(tree, padded, sampling, propose, prompts, short)
+                self._graph(tree, padded, sampling, propose, prompts, short, changes)
         return self._graphs[key]
 
     @property
@@ -528,20 +544,21 @@ class DecodeStep:
 
     @torch.inference_mode()
     def _capture(self, tree: DeviceTree, padded: int, sampling: int, propose: bool,
-                 prompts: PromptSegment | None, kv_bound: int | None = None) -> dict:
+                 prompts: PromptSegment | None, kv_bound: int | None = None, changes: bool = False) -> dict:
         """Warm up on an all-padding batch (touches only the scratch slot and padding row, and no
         prompt token's KV), then capture."""
         with self._padding_inputs(), (prompts.padding() if prompts is not None else nullcontext()):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # one eager run compiles this shape's Triton kernels outside the capture
-                self._part2(tree, padded, self._part1(tree, padded, sampling, prompts, kv_bound), propose)
+                self._part2(tree, padded, self._part1(tree, padded, sampling, prompts, kv_bound, changes), propose,
+                            changes)
             torch.cuda.current_stream().wait_stream(stream)
             g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(g1, pool=self.pool):
-                part1 = self._part1(tree, padded, sampling, prompts, kv_bound)
+                part1 = self._part1(tree, padded, sampling, prompts, kv_bound, changes)
             with torch.cuda.graph(g2, pool=self.pool):
-                packed = self._part2(tree, padded, part1, propose)
+                packed = self._part2(tree, padded, part1, propose, changes)
         return {"g1": g1, "g2": g2, "part1": part1, "packed": packed}
 
     def _padding_inputs(self):

@@ -7,8 +7,8 @@
 
 Each step: schedule -> every decoding sequence verifies its tree in one batched
 `DecodeStep` (device-side greedy and sampled verification, CUDA graphs on the GPU;
-host verification only for rows that ask for logprobs, are under min_tokens or use
-penalties), whose forward also carries the step's prompt chunks up to
+host verdicts only for rows whose logits the host changes: guides, bias, allowed tokens,
+bad words, choices), whose forward also carries the step's prompt chunks up to
 `mixed_prompt_tokens` (on a GPU cut to fill a token bucket); larger chunks, or a step with
 nothing decoding, get a prompt forward of their own (replayed from a CUDA graph of
 their token bucket, `prefill_graphs.py`) -> append tokens, check stops, free
@@ -17,8 +17,8 @@ finished sequences.
 With overlap (`EngineConfig.overlap`, on with CUDA graphs) a step is launched before the previous
 one is read back, and an admission waits for nothing either: a request's first token is
 decided on the device (argmax, or a draw for a sampled one), where the next step's tree starts from it,
-and reaches the host with the next step (`_FirstTokens`); only an admission with host work (logprobs,
-penalties, min_tokens) reads it at once. With `apply_interval=k` the steps read back gather until k have,
+and reaches the host with the next step (`_FirstTokens`); only an admission with host work (any logit
+change or min_tokens ban) reads it at once. With `apply_interval=k` the steps read back gather until k have,
 and each sequence's tokens of all of them are applied at once (`_apply_steps`): the host's counters then lag
 the device by up to k steps, which the blocks back as they back a step in flight.
 
@@ -45,6 +45,7 @@ from medusa.decoding.batch_verify import sampled_targets
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.detokenizer import prepare as prepare_text
 from medusa.decoding.decode_step import RowSampling
+from medusa.decoding.device_changes import MAX_BANNED, RowChanges
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.engine_config import EngineConfig
 from medusa.decoding.engine_request import (EngineRequest, cannot_stop, checked_params, make_detokenizer,
@@ -94,8 +95,8 @@ class _InFlight:
 
 @dataclass
 class _FirstTokens:
-    """First output tokens of admitted rows that need no host logic (greedy, or sampled without penalties
-    or min_tokens; their logprobs queued on the device too), decided on the device and read back a step
+    """First output tokens of admitted rows that need no host logic (greedy, or sampled, without logit
+    changes or min_tokens; their logprobs queued on the device too), decided on the device and read back a step
     later, so an admission does not stall the overlapped steps (the next step decodes from the device's
     roots)."""
 
@@ -395,7 +396,9 @@ class LLMEngine:
         sampling = [self._row_sampling(r, tree) for r in requests]
         propose = self.policy.proposes(step.bucket(len(seqs)), tree.spec)
         forced = [self._forced(r, tree.num_lookup) for r in requests] if tree.num_lookup else None
-        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose, prompts, forced)
+        changes = [self._row_changes(r) for r in requests]
+        padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose, prompts, forced,
+                              changes)
         return requests, padded, propose, step.forward(tree, padded)
 
     def _catch_up(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0,
@@ -492,7 +495,7 @@ class LLMEngine:
             at = to_device(fresh, torch.long, self.device)
             raw = self.model.compute_logits(last[at])  # [f, V]
             argmax = raw.argmax(-1)  # [f]
-            if self.overlap and not any(self._needs_host(ready[k][0]) for k in fresh):
+            if self.overlap and not any(self._first_on_host(ready[k][0]) for k in fresh):
                 # the device keeps the roots (argmax, or a draw for sampled rows); the host reads them a step later
                 first = self._draw_first_tokens([ready[k][0] for k in fresh], raw, argmax)
                 roots = to_device(roots, torch.long, self.device)
@@ -504,7 +507,7 @@ class LLMEngine:
                 for k in fresh:
                     ready[k][0].first_pending = True
             else:
-                plain = [(r := ready[k][0]).sampling.greedy and not self._needs_host(r) and r.params.logprobs is None
+                plain = [(r := ready[k][0]).sampling.greedy and not self._first_on_host(r) and r.params.logprobs is None
                          for k in fresh]  # the others' tokens, and any logprobs, are `_first_token`'s
                 argmax = argmax.tolist()  # the step's one sync for plain greedy rows
                 for j, k in enumerate(fresh):
@@ -520,10 +523,23 @@ class LLMEngine:
             tokens = [(seq := request.seq).token_ids(0, prefill_target(seq)) for request, _ in ready]
         bases = [request.seq.num_computed_tokens for request, _ in ready]
         step.set_states([request.row for request, _ in ready], roots, bases, last, propose, tokens)
+        self._set_counts(ready, roots)
         if deferred is not None:
             self._first_tokens.append(_FirstTokens([ready[k][0] for k in fresh], deferred, first_logprobs))
             return []
         return self._emit_first_tokens([(ready[k][0], roots[k]) for k in fresh])
+
+    def _set_counts(self, ready: list[tuple[EngineRequest, int]], roots: list[int] | torch.Tensor) -> None:
+        """The device's output counts of admitted rows it penalizes: their outputs so far, ending with the root
+        (a fresh row's first token, which such a row decides on the host, so `roots` holds it as an int)."""
+        penalized = [(k, request) for k, (request, _) in enumerate(ready)
+                     if request.params.has_count_penalties and not self._needs_host(request)]
+        if not penalized:
+            return
+        outputs = [request.seq.output_token_ids or [int(roots[k])] for k, request in penalized]
+        prompts = [request.seq.prompt_token_ids if request.params.repetition_penalty != 1 else []
+                   for _, request in penalized]
+        self.runner.decode.changes.set_rows([request.row for _, request in penalized], outputs, prompts)
 
     def _draw_first_tokens(self, requests: list[EngineRequest], raw: torch.Tensor,
                            argmax: torch.Tensor) -> torch.Tensor:
@@ -657,7 +673,7 @@ class LLMEngine:
             self.policy.observe_subtrees(spec, np.asarray(bests, dtype=np.int64))
 
     def _verify_on_host(self, requests: list[EngineRequest], tree: DeviceTree, part1) -> None:
-        """Verdicts for rows the device rules cannot decide (min_tokens, penalties, guides): each such row's node
+        """Verdicts for rows the device rules cannot decide (guides, bias, bad words...): each such row's node
         targets from its own changed logits (the argmax, or its sampler's draw), then one batched verdict for
         them all on the device, over the device's own. Rows whose changes can be made together (`batchable`)
         are, HOST_CHUNK_ROWS at a time. Nothing is read back here but a guided chunk's candidates: the
@@ -719,8 +735,29 @@ class LLMEngine:
         return {requests[i].seq: noted for i, noted in logprobs.read(emitted).items()}
 
     def _needs_host(self, request: EngineRequest) -> bool:
-        """Whether the request's rows need the host's verdict: logit changes (penalties, guides), or EOS banned."""
-        return request.host_always or request.seq.num_output_tokens < request.eos_banned_until
+        """Whether the request's rows need the host's verdict: logit changes the device does not make (guides,
+        bias, allowed tokens, bad words, choices), or a min_tokens ban of more end tokens than it holds."""
+        return request.host_always or (request.seq.num_output_tokens < request.eos_banned_until
+                                       and len(request.stop_ids) > MAX_BANNED)
+
+    @staticmethod
+    def _first_on_host(request: EngineRequest) -> bool:
+        """Whether an admitted request's first token is the host's: any logit change or min_tokens ban (the
+        device's first draw is the raw logits'), or logprobs."""
+        return request.params.has_penalties or (request.eos_banned_until > 0 and bool(request.stop_ids))
+
+    def _row_changes(self, request: EngineRequest) -> RowChanges | None:
+        """The count penalties and min_tokens ban the device makes for a row the host does not decide (None:
+        none). The ban's bound counts from the host's output count, as the device's root window does."""
+        if self._needs_host(request):
+            return None
+        params = request.params
+        ban_left = request.eos_banned_until - request.seq.num_output_tokens - request.first_pending
+        banned = tuple(sorted(request.stop_ids)) if ban_left > 0 else ()
+        if not (params.has_count_penalties or banned):
+            return None
+        return RowChanges(params.frequency_penalty, params.presence_penalty, params.repetition_penalty,
+                          ban_left, banned)
 
     def _row_sampling(self, request: EngineRequest, tree: DeviceTree | None) -> RowSampling | None:
         """Device-side sampling settings for a sampling row the host does not handle; None otherwise.

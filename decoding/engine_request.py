@@ -38,7 +38,7 @@ class EngineRequest:
     stop_reason: int | str | None = None  # vLLM's: the stop_token_ids token or stop string that ended it (not EOS)
     sampling: SamplingConfig = field(init=False)  # params.sampling(), built once rather than every step
     quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
-    host_always: bool = field(init=False)  # logit changes (penalties, guides...): every verdict is the host's
+    host_always: bool = field(init=False)  # logit changes the host makes (guides, bias...): every verdict is its
     eos_banned_until: int = field(init=False)  # output tokens before which EOS is banned (min_tokens)
     first_pending: bool = False  # its first output token was drawn on the device and is not read back yet
     # with params.prompt_logprobs: None for the first prompt token, then each next one's, as prefill reaches it
@@ -47,7 +47,7 @@ class EngineRequest:
     def __post_init__(self) -> None:
         params = self.params
         self.sampling = params.sampling()
-        self.host_always = params.has_penalties
+        self.host_always = params.has_host_changes
         self.eos_banned_until = 0 if params.ignore_eos else params.min_tokens
         self.prompt_logprobs = None if params.prompt_logprobs is None else [None]
 

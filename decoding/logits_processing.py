@@ -131,26 +131,44 @@ def count_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], outp
     device = logits.device
     ids = to_device([token + g * vocab for g, output in enumerate(outputs) for token in output], torch.long, device)
     counts = torch.zeros(rows * vocab, device=device).index_add_(0, ids, torch.ones(len(ids), device=device))
-    counts = counts.view(rows, 1, vocab).repeat(1, nodes, 1)  # [G, N, V]
-    if candidates is not None and nodes > 1:
-        on_path = tree.mask[:, 1:].float()  # [N, N - 1]: node j >= 1 is node i's ancestor-or-self
-        counts.scatter_add_(2, candidates[:, None, 1:].expand(-1, nodes, -1), on_path.expand(rows, -1, -1))
 
-    def per_row(name: str) -> torch.Tensor:  # [G, 1, 1]
-        return to_device([getattr(p, name) for p in params], torch.float32, device).view(rows, 1, 1)
+    def per_row(name: str) -> torch.Tensor:  # [G]
+        return to_device([getattr(p, name) for p in params], torch.float32, device)
 
-    logits = logits.float()
+    repetition = prompt_seen = None
     if any(p.repetition_penalty != 1 for p in params):
-        seen = counts > 0
+        repetition = per_row("repetition_penalty")
         in_prompt = [token + g * vocab for g, (p, prompt) in enumerate(zip(params, prompts))
                      if p.repetition_penalty != 1 for token in prompt]
         if in_prompt:
-            marked = torch.zeros(rows * vocab, dtype=torch.bool, device=device)
-            marked[to_device(in_prompt, torch.long, device)] = True
-            seen |= marked.view(rows, 1, vocab)
-        penalty = per_row("repetition_penalty")
+            prompt_seen = torch.zeros(rows * vocab, dtype=torch.bool, device=device)
+            prompt_seen[to_device(in_prompt, torch.long, device)] = True
+            prompt_seen = prompt_seen.view(rows, 1, vocab)
+    return apply_count_penalties(logits, counts.view(rows, 1, vocab), per_row("frequency_penalty"),
+                                 per_row("presence_penalty"), repetition, prompt_seen, tree, candidates)
+
+
+def apply_count_penalties(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                          repetition: torch.Tensor | None, prompt_seen: torch.Tensor | None, tree: DeviceTree | None,
+                          candidates: torch.Tensor | None) -> torch.Tensor:
+    """The penalties' arithmetic, shared by the host's rows (`count_penalties`) and the device's
+    (`device_changes.py`), so both give the same bits: logits [G, N, V]; counts [G, 1, V] of each row's output
+    (ending with the root); frequency, presence [G]; repetition [G] or None (all 1); prompt_seen [G, 1, V] bool
+    or None (no prompt token counts) -> float32 logits, each node's counts with its own path below the root
+    added (candidates [G, N]). A row of zero penalties (and repetition 1) keeps its logits exactly."""
+    rows, nodes, vocab = logits.shape
+    counts = counts.expand(rows, nodes, vocab).clone()  # [G, N, V]
+    if candidates is not None and nodes > 1:
+        on_path = tree.mask[:, 1:].float()  # [N, N - 1]: node j >= 1 is node i's ancestor-or-self
+        counts.scatter_add_(2, candidates[:, None, 1:].expand(-1, nodes, -1), on_path.expand(rows, -1, -1))
+    logits = logits.float()
+    if repetition is not None:
+        seen = counts > 0
+        if prompt_seen is not None:
+            seen |= prompt_seen
+        penalty = repetition.view(rows, 1, 1)
         logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    return logits - per_row("frequency_penalty") * counts - per_row("presence_penalty") * (counts > 0).float()
+    return logits - frequency.view(rows, 1, 1) * counts - presence.view(rows, 1, 1) * (counts > 0).float()
 
 
 def _node_texts(output_ids: Sequence[int], tree: DeviceTree | None, candidates: torch.Tensor | None,

@@ -185,10 +185,16 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether any logit change (bias, allowed tokens, bad words, a guide or a penalty) applies: the host then
-        gives every verdict."""
+        """Whether any logit change (bias, allowed tokens, bad words, a guide or a penalty) applies."""
         return (self.has_count_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
                 or bool(self.bad_words) or bool(self.guides))
+
+    @property
+    def has_host_changes(self) -> bool:
+        """Whether a logit change only the host makes applies (bias, allowed tokens, bad words, a guide): the host
+        then gives every verdict. Count penalties alone the device makes (`device_changes.py`)."""
+        return (bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+                or bool(self.guides))
 
     @property
     def has_count_penalties(self) -> bool:

@@ -413,3 +413,27 @@ def test_graph_engine_step_logprobs_overlap_and_equal_a_full_forwards(default_mo
             assert entry.token_id == tokens[i] and entry.rank == 1  # greedy: the most likely token
             assert entry.logprob == pytest.approx(rows[i, entry.token_id].item(), abs=0.1)  # TF32 dots, as above
             assert len(entry.top) == asked.logprobs and (not entry.top or entry.top[0][0] == entry.token_id)
+
+
+def test_graph_engine_penalized_and_min_tokens_rows_overlap_and_write_the_hosts_text(default_model_dir):
+    """Count penalties and the min_tokens ban are made inside the captured step (`device_changes.py`): such rows
+    run overlapped graph steps beside free ones, with no host verdict, and write what the host's path writes."""
+    model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
+    prompts = [model.encode([{"role": "user", "content": text}]) for text in
+               ("Write a haiku about the sea.", "List five fruits.", "Say hi.", "What is 17 times 3?")]
+    params = [SamplingParams(max_tokens=40, presence_penalty=0.8, frequency_penalty=0.4),
+              SamplingParams(max_tokens=40, repetition_penalty=1.3, temperature=0.8, seed=3),
+              SamplingParams(max_tokens=40, min_tokens=30),
+              SamplingParams(max_tokens=40)]
+    engine = model.engine()
+    engine.warmup(max_batch=4)
+    engine.runner.decode.override = lambda *a: pytest.fail("a row took the host's verdict")
+    launched = count_launches(engine)
+    device = engine.generate(prompts, params)
+    host_engine = model.engine()
+    host_engine._needs_host = lambda r: r.params.has_penalties or r.seq.num_output_tokens < r.eos_banned_until
+    host = host_engine.generate(prompts, params)
+    assert [o.token_ids for o in device] == [o.token_ids for o in host]
+    assert len(launched) > 5  # overlapped steps, with the changed rows in them
+    ends = set(model.eos_token_ids)
+    assert len(device[2].token_ids) >= 30 and not ends & set(device[2].token_ids[:30])

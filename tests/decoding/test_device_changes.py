@@ -1,0 +1,156 @@
+"""Count penalties and the min_tokens ban made by the device inside the decode step (`device_changes.py`): the
+same logits as the host's `penalize` + `suppress_eos` row by row, counts kept by each step's emitted tokens, and
+an engine whose penalized and banned rows keep device verdicts and overlapped steps, writing what the host's
+path writes."""
+
+import pytest
+import torch
+
+from medusa.decoding.device_changes import MAX_BANNED, DeviceChanges, RowChanges
+from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.engine import EngineConfig, LLMEngine
+from medusa.decoding.logits_processing import penalize, suppress_eos
+from medusa.decoding.sampling_params import SamplingParams
+from medusa.decoding.scheduler import SchedulerConfig
+from medusa.tree import TreeSpec
+from engine_driver import count_launches, random_prompts, single_thread, without_policy
+from tiny_models import tiny_decoder
+
+VOCAB = 12
+KINDS = [dict(presence_penalty=0.4, frequency_penalty=0.3), dict(repetition_penalty=1.8), dict(),
+         dict(repetition_penalty=0.6, presence_penalty=-0.5, min_tokens=9), dict(min_tokens=7),
+         dict(frequency_penalty=1.1, min_tokens=30)]
+
+
+def host_logits(params, output, prompt, logits, tree, candidates, banned):
+    """The host's path for one row: penalties at every node from its own text, then the min_tokens ban."""
+    changed = penalize(params, output, logits, tree, candidates, prompt).float()
+    return suppress_eos(params, len(output), banned, changed, tree.depths)
+
+
+def test_device_changes_equal_the_hosts_row_by_row_and_follow_the_emitted_tokens():
+    """Rows in permuted state rows, some in flight (their window: tokens the host has not counted yet), on a
+    tree with a lookup chain; then a step's emitted tokens recorded, and the next logits again equal."""
+    tree = DeviceTree.from_spec(TreeSpec.load("tree-16").with_lookup(3), torch.device("cpu"))
+    n, gen = tree.num_nodes, torch.Generator().manual_seed(0)
+    changes = DeviceChanges(max_seqs=8, vocab=VOCAB, device=torch.device("cpu"))
+    rows = [5, 0, 3, 7, 1, 2]
+    params = [SamplingParams(max_tokens=64, **kind) for kind in KINDS]
+    outputs = [torch.randint(0, VOCAB, (2 + g,), generator=gen).tolist() for g in range(len(KINDS))]
+    prompts = [torch.randint(0, VOCAB, (5,), generator=gen).tolist() for _ in KINDS]
+    windows = [0, 2, 1, 3, 0, 2]  # of each output, the tokens of steps in flight
+    banned = [(VOCAB - 1, 4)] * len(KINDS)
+    penalized = [g for g, p in enumerate(params) if p.has_count_penalties]
+    changes.set_rows([rows[g] for g in penalized], [outputs[g] for g in penalized],
+                     [prompts[g] if params[g].repetition_penalty != 1 else [] for g in penalized])
+    for step in range(2):
+        row_changes = []
+        for p, output, window, ends in zip(params, outputs, windows, banned):
+            ban_left = p.min_tokens - (len(output) - window)  # the host's count lags the device's by the window
+            row = RowChanges(p.frequency_penalty, p.presence_penalty, p.repetition_penalty, ban_left,
+                             ends if ban_left > 0 else ())
+            row_changes.append(row if row.penalized or row.banned else None)
+        assert changes.prepare(row_changes, len(KINDS)) and row_changes[2] is None
+        candidates = torch.randint(0, VOCAB, (len(KINDS), n), generator=gen)
+        logits = torch.randn(len(KINDS) * n, VOCAB, generator=gen)
+        raw = logits.clone()
+        got = changes.apply(logits, torch.tensor(rows), tree, candidates, torch.tensor(windows))
+        assert torch.equal(logits, raw)  # the raw logits are kept for logprobs
+        for g in range(len(KINDS)):
+            want = host_logits(params[g], outputs[g], prompts[g], raw.view(len(KINDS), n, -1)[g], tree,
+                               candidates[g], banned[g])
+            assert torch.equal(got[g], want), (step, KINDS[g])
+        early = len(outputs[4]) + tree.depths < 7  # row 4's min_tokens: its shallow nodes may not end
+        assert early.any() or step and torch.equal(torch.isneginf(got[4, :, VOCAB - 1]), early)
+        assert torch.isneginf(got[5][:, [4, VOCAB - 1]]).all() and not torch.isneginf(got[2]).any()
+        # a step emits the accepted path and the next root: count tokens of the packed row's D + 1
+        depth = tree.spec.max_depth
+        counts = torch.randint(1, depth + 2, (len(KINDS),), generator=gen)
+        tokens = torch.randint(0, VOCAB, (len(KINDS), depth + 1), generator=gen)
+        changes.record(torch.tensor(rows), torch.cat([counts[:, None], tokens, torch.zeros(len(KINDS), 1).long()], 1))
+        outputs = [o + tokens[g, : counts[g]].tolist() for g, o in enumerate(outputs)]
+
+
+def test_prepare_reports_no_changes_and_refuses_counts_never_set():
+    changes = DeviceChanges(max_seqs=4, vocab=VOCAB, device=torch.device("cpu"))
+    assert not changes.prepare([None, None], 4) and changes.counts is None  # no memory until a row needs it
+    assert changes.prepare([RowChanges(ban_left=3, banned=(1,))], 4)
+    fresh = DeviceChanges(max_seqs=4, vocab=VOCAB, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="counts were never set"):
+        fresh.prepare([RowChanges(presence=0.5)], 4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    with single_thread():
+        yield tiny_decoder(VOCAB, logit_scale=3, num_heads=4)
+
+
+def mixed_params(stop_ids=(VOCAB - 1,)):
+    """Penalized, banned, sampled and free rows together (seeded draws: the same text whichever path)."""
+    return [SamplingParams(max_tokens=20, presence_penalty=0.9, frequency_penalty=0.4),
+            SamplingParams(max_tokens=20, repetition_penalty=1.6, temperature=0.8, seed=3),
+            SamplingParams(max_tokens=20, min_tokens=12, stop_token_ids=stop_ids),
+            SamplingParams(max_tokens=20),
+            SamplingParams(max_tokens=20, temperature=1.0, seed=5, frequency_penalty=0.8, min_tokens=6,
+                           stop_token_ids=stop_ids),
+            SamplingParams(max_tokens=16, temperature=0.7, seed=9)]
+
+
+def run(model, heads, params, overlap, host_path=False, num_blocks=256):
+    engine = without_policy(LLMEngine(model, heads, EngineConfig(num_blocks=num_blocks, block_size=4)))
+    engine.overlap = overlap
+    if host_path:  # every changed row decided on the host, as before the device made these changes
+        engine._needs_host = lambda r: r.params.has_penalties or r.seq.num_output_tokens < r.eos_banned_until
+    else:
+        engine.runner.decode.override = lambda *a: pytest.fail("a row took the host's verdict")
+    launched = count_launches(engine)
+    outs = engine.generate(random_prompts(len(params), VOCAB, 14, seed=21), params)
+    assert engine.blocks.num_free_blocks == num_blocks and not engine.blocks.ref_counts.any()
+    return [(o.token_ids, o.finish_reason) for o in outs], launched
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_penalized_and_banned_rows_keep_device_verdicts_and_write_the_hosts_text(tiny, overlap):
+    model, heads = tiny
+    params = mixed_params()
+    device, launched = run(model, heads, params, overlap)
+    host, host_launched = run(model, heads, params, overlap, host_path=True)
+    assert device == host
+    assert len(device[2][0]) >= 12 and VOCAB - 1 not in device[2][0][:12]  # banned until min_tokens
+    if overlap:  # overlapped steps with the changed rows in them, where the host's path waits for them
+        assert max(launched) > 1 and len(launched) > len(host_launched) + 5, (len(launched), len(host_launched))
+    plain, _ = run(model, None, params, overlap)
+    assert plain == device  # Medusa's trees change nothing: each node saw its own path's counts
+
+
+def test_more_end_tokens_than_the_device_bans_go_to_the_host(tiny):
+    model, heads = tiny
+    many = tuple(range(VOCAB - MAX_BANNED - 1, VOCAB))
+    params = [SamplingParams(max_tokens=12, min_tokens=10, stop_token_ids=many), SamplingParams(max_tokens=12)]
+    engine = LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4))
+    rid = engine.add_request([1, 2, 3], params[0])
+    assert engine._needs_host(engine.requests[rid]) and engine._row_changes(engine.requests[rid]) is None
+    outs = LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4)).generate([[1, 2, 3], [4, 5]], params)
+    assert len(outs[0].token_ids) >= 10 and not set(many) & set(outs[0].token_ids[:10])
+
+
+def test_a_reused_state_row_and_a_preempted_row_count_their_own_tokens(tiny):
+    """Requests admitted one after another reuse state rows (their counts start again), and a pool too small for
+    the load preempts penalized rows (recomputed, their counts set again from their outputs): texts equal those
+    of each request alone."""
+    model, heads = tiny
+    params = [SamplingParams(max_tokens=30, presence_penalty=1.2, frequency_penalty=0.5 * (i % 3),
+                             repetition_penalty=1.0 + 0.3 * (i % 2)) for i in range(8)]
+    prompts = random_prompts(8, VOCAB, 14, seed=4)
+    alone = [LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4)).generate([p], [sp])[0].token_ids
+             for p, sp in zip(prompts, params)]
+    sched = SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=4, max_tree_tokens=64)
+    tight = LLMEngine(model, heads, EngineConfig(num_blocks=40, block_size=4, scheduler=sched,
+                                                 enable_prefix_caching=False))
+    tight.runner.decode.override = lambda *a: pytest.fail("a row took the host's verdict")
+    preempted, schedule = [], tight.scheduler.schedule
+    tight.scheduler.schedule = lambda **kw: (out := schedule(**kw)) and preempted.extend(out.preempted) or out
+    outs = tight.generate(prompts, params)
+    assert preempted, "the pool was meant to be too small"
+    assert [o.token_ids for o in outs] == alone
