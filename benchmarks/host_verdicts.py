@@ -32,7 +32,8 @@ from throughput import default_model, spread_order
 
 READS = ("_local_scalar_dense", "nonzero", "is_nonzero")
 KINDS = {"free": {}, "guided_json": {"guided_json": SCHEMA}, "logprobs": {"logprobs": 1},
-         "presence_penalty": {"presence_penalty": 0.5}}
+         "presence_penalty": {"presence_penalty": 0.5}, "repetition_penalty": {"repetition_penalty": 1.2},
+         "min_tokens": {"min_tokens": 40}}
 
 
 class OpCounter(TorchDispatchMode):

@@ -235,6 +235,11 @@ class DecodeStep:
             logits = self.heads(last_hidden, self.model.lm_head.weight, roots=self.roots[at])  # [K, n, V]
             self.topk[at] = top_k_indices(logits, self.kmax).transpose(0, 1)  # [n, K, kmax]
 
+    def set_counts(self, rows: list[int], outputs: list[list[int]], prompts: list[list[int]]) -> None:
+        """Penalized rows' output counts (`DeviceChanges.set_rows`): their outputs before the root, then the
+        root `set_states` put in place (on the device, read back or not)."""
+        self.changes.set_rows(rows, outputs, prompts, self.roots[to_device(rows, torch.long, self.device)])
+
     def _set_history(self, at: torch.Tensor, tokens: list[list[int]]) -> None:
         """history[at] = each row's tokens, then its root (already in `roots`)."""
         width = self.history.shape[1] - 1
@@ -298,11 +303,11 @@ class DecodeStep:
                              f"for at most {self.max_lookup}")
         upload(self._inputs, self._host_inputs)  # the three in one copy
         upload(self.tables, tables)
+        self.changes_step = self.changes.prepare(changes or [], padded)  # from page-locked memory too
         if self._uploaded is not None:
             self._uploaded.record()
         self._prepare_sampling(sampling or [], padded)
         self._prepare_forced(forced or [], padded, tree.num_lookup)
-        self.changes_step = self.changes.prepare(changes or [], padded)
         return padded
 
     def _prepare_forced(self, forced: list[tuple[int, ...]], padded: int, lookup: int) -> None:

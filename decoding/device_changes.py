@@ -18,14 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from medusa.decoding.device_tree import DeviceTree
-from medusa.decoding.host_buffers import to_device, upload
+from medusa.decoding.host_buffers import host_buffer, to_device, upload
 from medusa.decoding.logits_processing import apply_count_penalties
 
 MAX_BANNED = 8  # end tokens a row's min_tokens ban holds on the device; a request with more is the host's
+FREQUENCY, PRESENCE, REPETITION, BAN_LEFT, BANNED = range(5)  # columns of a row's settings (banned: the rest)
+SETTINGS = BANNED + MAX_BANNED
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,10 @@ class DeviceChanges:
 
     def __init__(self, max_seqs: int, vocab: int, device: torch.device) -> None:
         self.max_rows, self.vocab, self.device = max_seqs + 1, vocab, device
-        self.frequency = torch.zeros(max_seqs, dtype=torch.float32, device=device)
-        self.presence = torch.zeros(max_seqs, dtype=torch.float32, device=device)
-        self.repetition = torch.ones(max_seqs, dtype=torch.float32, device=device)
-        self.ban_left = torch.zeros(max_seqs, dtype=torch.long, device=device)
-        self.banned = torch.zeros(max_seqs, MAX_BANNED, dtype=torch.long, device=device)
+        # per batch row: frequency, presence, repetition, ban_left, then the banned ids, in one float32 row
+        # (token ids < 2^24 are exact), so a step's settings go up in one copy from page-locked memory
+        self._host = host_buffer((max_seqs, SETTINGS), torch.float32, device)
+        self.settings = torch.zeros(max_seqs, SETTINGS, dtype=torch.float32, device=device)
         self.counts: torch.Tensor | None = None
         self.prompt_seen: torch.Tensor | None = None
 
@@ -65,10 +65,11 @@ class DeviceChanges:
             self.counts = torch.zeros(self.max_rows, self.vocab, dtype=torch.float32, device=self.device)
             self.prompt_seen = torch.zeros(self.max_rows, self.vocab, dtype=torch.bool, device=self.device)
 
-    def set_rows(self, rows: Sequence[int], outputs: Sequence[Sequence[int]],
-                 prompts: Sequence[Sequence[int]]) -> None:
-        """Admitted penalized rows: their counts from their outputs so far (the root last), the prompt tokens
-        a repetition penalty counts (empty for a row without one). Queued: waits for no step in flight."""
+    def set_rows(self, rows: Sequence[int], outputs: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]],
+                 roots: torch.Tensor) -> None:
+        """Admitted penalized rows: their counts from their outputs before the root, and the root (roots [n]
+        on the device: a first token the host may not have read yet); the prompt tokens a repetition penalty
+        counts (empty for a row without one). Queued: waits for no step in flight."""
         self._allocate()
         at = to_device(list(rows), torch.long, self.device)
         self.counts[at] = 0.0
@@ -77,6 +78,7 @@ class DeviceChanges:
         if ids:
             flat = to_device(ids, torch.long, self.device)
             self.counts.view(-1).index_add_(0, flat, torch.ones(len(ids), device=self.device))
+        self.counts.index_put_((at, roots), torch.ones(len(rows), device=self.device), accumulate=True)
         seen = [row * self.vocab + t for row, prompt in zip(rows, prompts) for t in prompt]
         if seen:
             self.prompt_seen.view(-1)[to_device(seen, torch.long, self.device)] = True
@@ -89,17 +91,15 @@ class DeviceChanges:
         if any(r is not None and r.penalized for r in rows) and self.counts is None:
             raise RuntimeError("a penalized row's counts were never set (DeviceChanges.set_rows at its admission)")
         self._allocate()  # a step of banned rows only still reads counts: zeros, times zero penalties
-        none = RowChanges()
-        rows = [r or none for r in rows]
-        upload(self.frequency, np.array([r.frequency for r in rows], dtype=np.float32))
-        upload(self.presence, np.array([r.presence for r in rows], dtype=np.float32))
-        upload(self.repetition, np.array([r.repetition for r in rows], dtype=np.float32))
-        upload(self.ban_left, np.array([r.ban_left if r.banned else 0 for r in rows], dtype=np.int64))
-        banned = np.zeros((padded, MAX_BANNED), dtype=np.int64)
+        host = self._host[:padded]  # the caller has waited for its last upload (`DecodeStep.prepare`)
+        host[:] = 0.0
+        host[:, REPETITION] = 1.0
         for i, r in enumerate(rows):
-            if r.banned:  # padded with its first id: a repeated column writes the same value
-                banned[i] = (list(r.banned) * MAX_BANNED)[:MAX_BANNED]
-        upload(self.banned, banned)
+            if r is not None:
+                host[i, :BANNED] = r.frequency, r.presence, r.repetition, r.ban_left if r.banned else 0
+                if r.banned:  # padded with its first id: a repeated column writes the same value
+                    host[i, BANNED:] = (list(r.banned) * MAX_BANNED)[:MAX_BANNED]
+        upload(self.settings, host)
         return True
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor, tree: DeviceTree, candidates: torch.Tensor,
@@ -107,11 +107,12 @@ class DeviceChanges:
         """logits [Bp * N, V] (raw, kept for logprobs); rows [Bp] state rows; candidates [Bp, N]; window [Bp]
         tokens each row's steps in flight emitted past the host's output count -> changed float32 [Bp, N, V]."""
         padded, n = candidates.shape
+        settings = self.settings[:padded]
         changed = apply_count_penalties(logits.view(padded, n, -1), self.counts[rows][:, None],
-                                        self.frequency[:padded], self.presence[:padded], self.repetition[:padded],
+                                        settings[:, FREQUENCY], settings[:, PRESENCE], settings[:, REPETITION],
                                         self.prompt_seen[rows][:, None], tree, candidates)
-        early = (window[:, None] + tree.depths[None]) < self.ban_left[:padded, None]  # [Bp, N]
-        columns = self.banned[:padded, None, :].expand(-1, n, -1)  # [Bp, N, E]
+        early = (window[:, None] + tree.depths[None]) < settings[:, BAN_LEFT, None]  # [Bp, N]
+        columns = settings[:, None, BANNED:].long().expand(-1, n, -1)  # [Bp, N, E]
         ends = changed.gather(2, columns).masked_fill(early[..., None], float("-inf"))
         return changed.scatter_(2, columns, ends)
 

@@ -523,23 +523,23 @@ class LLMEngine:
             tokens = [(seq := request.seq).token_ids(0, prefill_target(seq)) for request, _ in ready]
         bases = [request.seq.num_computed_tokens for request, _ in ready]
         step.set_states([request.row for request, _ in ready], roots, bases, last, propose, tokens)
-        self._set_counts(ready, roots)
+        self._set_counts(ready)
         if deferred is not None:
             self._first_tokens.append(_FirstTokens([ready[k][0] for k in fresh], deferred, first_logprobs))
             return []
         return self._emit_first_tokens([(ready[k][0], roots[k]) for k in fresh])
 
-    def _set_counts(self, ready: list[tuple[EngineRequest, int]], roots: list[int] | torch.Tensor) -> None:
-        """The device's output counts of admitted rows it penalizes: their outputs so far, ending with the root
-        (a fresh row's first token, which such a row decides on the host, so `roots` holds it as an int)."""
-        penalized = [(k, request) for k, (request, _) in enumerate(ready)
+    def _set_counts(self, ready: list[tuple[EngineRequest, int]]) -> None:
+        """The device's output counts of admitted rows it penalizes: their outputs before the root, then the
+        root already on the device (a fresh row's first token may not be read back yet)."""
+        penalized = [request for request, _ in ready
                      if request.params.has_count_penalties and not self._needs_host(request)]
         if not penalized:
             return
-        outputs = [request.seq.output_token_ids or [int(roots[k])] for k, request in penalized]
+        outputs = [request.seq.output_token_ids[:-1] for request in penalized]  # fresh rows: none yet
         prompts = [request.seq.prompt_token_ids if request.params.repetition_penalty != 1 else []
-                   for _, request in penalized]
-        self.runner.decode.changes.set_rows([request.row for _, request in penalized], outputs, prompts)
+                   for request in penalized]
+        self.runner.decode.set_counts([request.row for request in penalized], outputs, prompts)
 
     def _draw_first_tokens(self, requests: list[EngineRequest], raw: torch.Tensor,
                            argmax: torch.Tensor) -> torch.Tensor:
@@ -742,9 +742,12 @@ class LLMEngine:
 
     @staticmethod
     def _first_on_host(request: EngineRequest) -> bool:
-        """Whether an admitted request's first token is the host's: any logit change or min_tokens ban (the
-        device's first draw is the raw logits'), or logprobs."""
-        return request.params.has_penalties or (request.eos_banned_until > 0 and bool(request.stop_ids))
+        """Whether an admitted request's first token is the host's: a logit change that can apply to it (the
+        device's first draw is the raw logits'). Presence and frequency penalties cannot (no output yet to
+        count); the repetition penalty counts the prompt, and a min_tokens ban may hold."""
+        params = request.params
+        return (params.has_host_changes or params.repetition_penalty != 1
+                or (request.eos_banned_until > 0 and bool(request.stop_ids)))
 
     def _row_changes(self, request: EngineRequest) -> RowChanges | None:
         """The count penalties and min_tokens ban the device makes for a row the host does not decide (None:

@@ -41,8 +41,9 @@ def test_device_changes_equal_the_hosts_row_by_row_and_follow_the_emitted_tokens
     windows = [0, 2, 1, 3, 0, 2]  # of each output, the tokens of steps in flight
     banned = [(VOCAB - 1, 4)] * len(KINDS)
     penalized = [g for g, p in enumerate(params) if p.has_count_penalties]
-    changes.set_rows([rows[g] for g in penalized], [outputs[g] for g in penalized],
-                     [prompts[g] if params[g].repetition_penalty != 1 else [] for g in penalized])
+    changes.set_rows([rows[g] for g in penalized], [outputs[g][:-1] for g in penalized],  # the root apart
+                     [prompts[g] if params[g].repetition_penalty != 1 else [] for g in penalized],
+                     torch.tensor([outputs[g][-1] for g in penalized]))
     for step in range(2):
         row_changes = []
         for p, output, window, ends in zip(params, outputs, windows, banned):
@@ -154,3 +155,29 @@ def test_a_reused_state_row_and_a_preempted_row_count_their_own_tokens(tiny):
     outs = tight.generate(prompts, params)
     assert preempted, "the pool was meant to be too small"
     assert [o.token_ids for o in outs] == alone
+
+
+def test_a_presence_penalized_admission_draws_its_first_token_on_the_device(tiny):
+    """Presence and frequency penalties count the output, which is empty at the first token: an admission with
+    only those leaves its first token on the device (read a step later), its counts started from it there;
+    the text equals the host's path."""
+    model, heads = tiny
+    params = [SamplingParams(max_tokens=16, presence_penalty=1.5, frequency_penalty=0.5, temperature=0.9, seed=s)
+              for s in range(3)]
+    prompts = random_prompts(3, VOCAB, 10, seed=8)
+    engine = LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4, overlap=True))
+    engine._first_token = lambda *a: pytest.fail("a first token was the host's")
+    engine.runner.decode.override = lambda *a: pytest.fail("a row took the host's verdict")
+    deferred, start = [], engine._start_decoding
+
+    def started(ready, hidden):  # how many admissions' first tokens wait on the device
+        outputs = start(ready, hidden)
+        deferred.append(len(engine._first_tokens))
+        return outputs
+
+    engine._start_decoding = started
+    device = [o.token_ids for o in engine.generate(prompts, params)]
+    host_engine = LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4, overlap=False))
+    host_engine._needs_host = lambda r: True
+    assert device == [o.token_ids for o in host_engine.generate(prompts, params)]
+    assert any(deferred)
