@@ -33,7 +33,7 @@ from throughput import default_model, spread_order
 READS = ("_local_scalar_dense", "nonzero", "is_nonzero")
 KINDS = {"free": {}, "guided_json": {"guided_json": SCHEMA}, "logprobs": {"logprobs": 1},
          "presence_penalty": {"presence_penalty": 0.5}, "repetition_penalty": {"repetition_penalty": 1.2},
-         "min_tokens": {"min_tokens": 40}}
+         "min_tokens": {"min_tokens": 40}, "logit_bias": {"logit_bias": {13: 2.0, 30: -5.0}}}
 
 
 class OpCounter(TorchDispatchMode):

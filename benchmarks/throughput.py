@@ -208,13 +208,18 @@ def diagnose(row: dict, engine: LLMEngine, args, level: list[list[int]], params:
         trace.write(Path(args.out) / f"gpu_trace_{tag}.json.gz")
 
 
+def asked(args) -> dict:
+    """What every request asks for beside its length: sampling, logprobs, penalties."""
+    return dict(temperature=args.temperature, logprobs=args.logprobs, presence_penalty=args.presence_penalty,
+                repetition_penalty=args.repetition_penalty)
+
+
 def bench_model(name: str, args, device, dtype) -> list[dict]:
     if name == "default":
         m, prompts = default_model(device, dtype, args.heads, args.prompt_order)
         base, heads, tokenizer, eos = m.base, m.heads, m.tokenizer, sorted(m.eos_token_ids)
         config = m.engine_config()
-        params = SamplingParams(max_tokens=args.max_tokens, output_kind=args.output_kind,
-                                temperature=args.temperature, logprobs=args.logprobs)
+        params = SamplingParams(max_tokens=args.max_tokens, output_kind=args.output_kind, **asked(args))
     else:
         base, heads, tokenizer = random_model(name, device, dtype)
         g = torch.Generator().manual_seed(0)
@@ -223,7 +228,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
                                                         args.min_requests),), generator=g)]
         eos, config = [], EngineConfig()
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, output_kind=args.output_kind,
-                                temperature=args.temperature, logprobs=args.logprobs)
+                                **asked(args))
     scheduler = SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=4096)
     # the phase timer synchronises around every phase, so a profiled engine runs without overlap
     overlap = False if args.profile_steps or args.no_overlap else None
@@ -334,6 +339,8 @@ def main() -> None:
                         "captures sampled steps too")
     p.add_argument("--logprobs", type=int, default=None,
                    help="every request asks for its tokens' logprobs and this many alternatives (default: none)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="every request's presence_penalty")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's repetition_penalty")
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 levels, 8 tokens (CPU, CI)")
     p.add_argument("--prompt-lookup", type=int, default=None,
                    help="prompt-lookup nodes added to every Medusa tree (EngineConfig.prompt_lookup); 0: the "
@@ -367,6 +374,8 @@ def main() -> None:
                                                    "max_tokens": args.max_tokens, "length_spread": args.length_spread,
                                                    "prompt_lookup": args.prompt_lookup, "temperature": args.temperature,
                                                    "logprobs": args.logprobs,
+                                                   "presence_penalty": args.presence_penalty,
+                                                   "repetition_penalty": args.repetition_penalty,
                                                    "repeats": args.repeats, "heads": args.heads, "output_kind": args.output_kind,
                                                    "overlap": not (args.no_overlap or args.profile_steps),
                                                    "mixed_prompt_tokens": args.mixed_prompt_tokens,

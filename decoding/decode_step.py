@@ -7,8 +7,8 @@ them:
     part 1  each row's tree placed at its committed length (positions, KV slots, lengths),
             candidates from each row's saved root and head top-k (and, for a tree's
             lookup chain, n-gram proposals from the row's token history), one
-            forward of B x N tree tokens over the paged cache, logits (count penalties
-            and min_tokens bans applied, `device_changes.py`), each row's verdict
+            forward of B x N tree tokens over the paged cache, logits (bias, count
+            penalties and min_tokens bans applied, `device_changes.py`), each row's verdict
             (greedy, or its seeded draws)
     (host)  targets for the rows that need it, one verdict written into `best`/`next`
     part 2  emitted tokens (appended to the token history), KV of accepted paths moved
@@ -176,7 +176,7 @@ class DecodeStep:
         self.forced = torch.zeros(max_seqs, max(max_lookup, 1), **long)
         self.forced_len = torch.zeros(max_seqs, **long)
         self.forced_step = False  # whether the prepared step lays forced tokens (graphs of their own)
-        # count penalties and min_tokens bans the device makes alone (`device_changes.py`)
+        # bias, count penalties and min_tokens bans the device makes alone (`device_changes.py`)
         self.changes = DeviceChanges(max_seqs, model.config.vocab_size, self.device)
         self.changes_step = False  # whether the prepared step changes logits (graphs of their own)
         self.sampling_step = GREEDY  # the prepared step's sampling kind (graphs of their own)
@@ -235,10 +235,10 @@ class DecodeStep:
             logits = self.heads(last_hidden, self.model.lm_head.weight, roots=self.roots[at])  # [K, n, V]
             self.topk[at] = top_k_indices(logits, self.kmax).transpose(0, 1)  # [n, K, kmax]
 
-    def set_counts(self, rows: list[int], outputs: list[list[int]], prompts: list[list[int]]) -> None:
-        """Penalized rows' output counts (`DeviceChanges.set_rows`): their outputs before the root, then the
-        root `set_states` put in place (on the device, read back or not)."""
-        self.changes.set_rows(rows, outputs, prompts, self.roots[to_device(rows, torch.long, self.device)])
+    def add_roots(self, rows: list[int]) -> None:
+        """Penalized rows' roots, as `set_states` put them in place (read back or not), join their counts."""
+        if rows:
+            self.changes.add_roots(rows, self.roots[to_device(rows, torch.long, self.device)])
 
     def _set_history(self, at: torch.Tensor, tokens: list[list[int]]) -> None:
         """history[at] = each row's tokens, then its root (already in `roots`)."""
@@ -269,7 +269,7 @@ class DecodeStep:
         prompts: uploaded prompt chunks to run in the same forward (their hidden states come back
         in `_Part1.prompt_hidden`); each (padded batch, tree, prompt bucket) is a graph of its own.
         forced: per row, tokens to lay on the tree's lookup chain instead of its n-gram proposals (guided rows).
-        changes: per row, the count penalties and min_tokens ban the device applies (None: none).
+        changes: per row, the bias, count penalties and min_tokens ban the device applies (None: none).
         """
         self.propose_step, self.prompts = propose, prompts
         if self._uploaded is not None:  # an overlapped step's upload may still be queued behind the step before
@@ -424,8 +424,8 @@ class DecodeStep:
         return packed, copy_to_host(packed, host, self._result_done[turn])
 
     def override(self, tree: DeviceTree, rows: list[int], candidates: torch.Tensor, targets: torch.Tensor) -> None:
-        """Host-decided node targets [H, N] for batch rows `rows` (logits the host changed: guides, bias,
-        allowed tokens, bad words, choices): their verdicts, on the device, replace the device's own before part 2.
+        """Host-decided node targets [H, N] for batch rows `rows` (logits the host changed: guides, bad
+        words): their verdicts, on the device, replace the device's own before part 2.
         candidates [Bp, N]: the step's."""
         at = to_device(rows, torch.long, self.device)
         best, next_tokens = torch.empty_like(at), torch.empty_like(at)
@@ -524,8 +524,8 @@ class DecodeStep:
         """The graphs of one key, captured at first use; a graph of the tables' width also captures its
         short-context sibling (`kv_len_bound`) if it has one, so that warmup leaves none for the hot path."""
         prompt_tokens = prompts.num_tokens if prompts else 0
-        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, kv_bound, self.forced_step, changes,
-               prompt_tokens)
+        key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, kv_bound, self.forced_step,
+               changes and self.changes.layout, prompt_tokens)
         if key not in self._graphs:
             start = time.perf_counter()
             self._graphs[key] = self._capture(tree, padded, sampling, key[3], prompts, kv_bound, changes)

@@ -1,16 +1,16 @@
-"""Logit changes the device makes alone inside a decode step: the count penalties (repetition, presence,
-frequency) and the min_tokens ban of end tokens.
+"""Logit changes the device makes alone, inside a decode step and for an admission's first token: logit_bias
+and allowed_token_ids, the count penalties (repetition, presence, frequency) and the min_tokens ban of end tokens.
 
-Before, a row with either took the host's path every step: its node targets from logits changed on the
-host, a verdict written over the device's, and no overlapped steps for its whole batch. Neither needs the
-host: a row's output counts live on the device ([R + 1, V] per state row, set at admission and advanced by
-every step's emitted tokens, `record`), and so does how far a node is from the end of the ban (the host's
+Before, a row with any of them took the host's path every step: its node targets from logits changed on the
+host, a verdict written over the device's, and no overlapped steps for its whole batch. None needs the host:
+a row's bias and output counts live on the device ([R + 1, V] per state row, set at admission; counts advanced
+by every step's emitted tokens, `record`), and so does how far a node is from the end of the ban (the host's
 output count is uploaded with the step; the tokens of steps in flight are the row's root window). Rows the
-host still decides (guides, bias, allowed tokens, bad words, choices) keep doing so (`engine._needs_host`).
+host still decides (guides, bad words, guided choices) keep doing so (`engine._needs_host`).
 
-Same arithmetic as the host's (`logits_processing.apply_count_penalties`), so both paths choose the same tokens;
-rows without changes keep their logits exactly (zero penalties, repetition 1, no ban), so a step changes the
-logits of all its rows at once, with no per-row selection.
+The host's order and arithmetic (`logits_processing.penalize`, `apply_count_penalties`), so both paths choose
+the same tokens; rows without changes keep their logits exactly (no bias, zero penalties, repetition 1, no
+ban), so a step changes the logits of all its rows at once, with no per-row selection.
 """
 
 from __future__ import annotations
@@ -25,100 +25,164 @@ from medusa.decoding.host_buffers import host_buffer, to_device, upload
 from medusa.decoding.logits_processing import apply_count_penalties
 
 MAX_BANNED = 8  # end tokens a row's min_tokens ban holds on the device; a request with more is the host's
-FREQUENCY, PRESENCE, REPETITION, BAN_LEFT, BANNED = range(5)  # columns of a row's settings (banned: the rest)
+FREQUENCY, PRESENCE, REPETITION, BAN_LEFT, BIASED, BANNED = range(6)  # a row's settings (banned: the rest)
 SETTINGS = BANNED + MAX_BANNED
 
 
 @dataclass(frozen=True)
 class RowChanges:
     """One row's changes for a step. `ban_left`: its nodes whose output position, counted from the host's
-    output count, is below this may not choose one of `banned` (the request's end tokens); <= 0: no ban."""
+    output count, is below this may not choose one of `banned` (the request's end tokens); <= 0: no ban.
+    `biased`: its state row's logit bias applies (logit_bias, allowed_token_ids: `DeviceChanges.set_rows`)."""
 
     frequency: float = 0.0
     presence: float = 0.0
     repetition: float = 1.0
     ban_left: int = 0
     banned: tuple[int, ...] = ()
+    biased: bool = False
 
     @property
     def penalized(self) -> bool:
         return self.frequency != 0 or self.presence != 0 or self.repetition != 1
 
+    def settings(self) -> list[float]:
+        """Its row of settings (SETTINGS floats; token ids below 2^24 are exact in float32)."""
+        banned = (list(self.banned) * MAX_BANNED)[:MAX_BANNED] if self.banned else [0] * MAX_BANNED
+        # a short list of ends is padded with its first id: a repeated column writes the same value
+        return [self.frequency, self.presence, self.repetition, self.ban_left if self.banned else 0,
+                float(self.biased)] + banned
+
+
+NONE = RowChanges().settings()
+
 
 class DeviceChanges:
-    """The step's per-row change settings ([max_seqs] buffers, uploaded by `prepare`) and each state row's
-    counts: counts [R + 1, V] float32 of its output tokens, the pending root included, and prompt_seen
-    [R + 1, V] bool (the repetition penalty also counts prompt tokens). Those two are allocated at the first
-    penalized admission: a server that never sees a penalty never pays their memory."""
+    """The step's per-row settings ([max_seqs, SETTINGS], uploaded by `prepare`) and per state row:
+    counts [R + 1, V] float32 of its output tokens, the pending root included, and prompt_seen [R + 1, V] bool
+    (the repetition penalty also counts prompt tokens); bias [R + 1, V] float32 (logit_bias, -inf outside
+    allowed_token_ids). Each is allocated at the first admission that needs it: a server that never sees a
+    penalty or a bias never pays their memory, and its steps skip them (`layout`, part of a graph's key)."""
 
     def __init__(self, max_seqs: int, vocab: int, device: torch.device) -> None:
         self.max_rows, self.vocab, self.device = max_seqs + 1, vocab, device
-        # per batch row: frequency, presence, repetition, ban_left, then the banned ids, in one float32 row
-        # (token ids < 2^24 are exact), so a step's settings go up in one copy from page-locked memory
-        self._host = host_buffer((max_seqs, SETTINGS), torch.float32, device)
+        self._host = host_buffer((max_seqs, SETTINGS), torch.float32, device)  # one upload a step
         self.settings = torch.zeros(max_seqs, SETTINGS, dtype=torch.float32, device=device)
         self.counts: torch.Tensor | None = None
         self.prompt_seen: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
 
-    def _allocate(self) -> None:
-        if self.counts is None:
-            self.counts = torch.zeros(self.max_rows, self.vocab, dtype=torch.float32, device=self.device)
-            self.prompt_seen = torch.zeros(self.max_rows, self.vocab, dtype=torch.bool, device=self.device)
+    @property
+    def layout(self) -> tuple[bool, bool]:
+        """Which per-row tables exist (counts, bias): a step's changes read those."""
+        return self.counts is not None, self.bias is not None
 
-    def set_rows(self, rows: Sequence[int], outputs: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]],
-                 roots: torch.Tensor) -> None:
-        """Admitted penalized rows: their counts from their outputs before the root, and the root (roots [n]
-        on the device: a first token the host may not have read yet); the prompt tokens a repetition penalty
-        counts (empty for a row without one). Queued: waits for no step in flight."""
-        self._allocate()
-        at = to_device(list(rows), torch.long, self.device)
-        self.counts[at] = 0.0
-        self.prompt_seen[at] = False
-        ids = [row * self.vocab + t for row, output in zip(rows, outputs) for t in output]
-        if ids:
-            flat = to_device(ids, torch.long, self.device)
-            self.counts.view(-1).index_add_(0, flat, torch.ones(len(ids), device=self.device))
-        self.counts.index_put_((at, roots), torch.ones(len(rows), device=self.device), accumulate=True)
-        seen = [row * self.vocab + t for row, prompt in zip(rows, prompts) for t in prompt]
-        if seen:
-            self.prompt_seen.view(-1)[to_device(seen, torch.long, self.device)] = True
+    def _rows_of(self, table: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(self.max_rows, self.vocab, dtype=dtype, device=self.device) if table is None else table
+
+    def set_rows(self, rows: Sequence[int], outputs: Sequence[Sequence[int] | None],
+                 prompts: Sequence[Sequence[int]], biases: Sequence[Sequence[tuple[int, float]] | None],
+                 allowed: Sequence[Sequence[int] | None]) -> None:
+        """Admitted rows, before their first token: a penalized row's counts from its outputs before the root
+        (None: not penalized; `add_roots` adds the root once drawn) and the prompt tokens a repetition penalty
+        counts (else empty); a biased row's bias, (token, bias) pairs and/or the only tokens allowed (None:
+        none). Queued: waits for no step in flight."""
+        penalized = [k for k, output in enumerate(outputs) if output is not None]
+        if penalized:
+            self.counts = self._rows_of(self.counts, torch.float32)
+            self.prompt_seen = self._rows_of(self.prompt_seen, torch.bool)
+            at = to_device([rows[k] for k in penalized], torch.long, self.device)
+            self.counts[at] = 0.0
+            self.prompt_seen[at] = False
+            self._mark(self.counts, [(rows[k], t) for k in penalized for t in outputs[k]], 1.0, accumulate=True)
+            self._mark(self.prompt_seen, [(rows[k], t) for k in penalized for t in prompts[k]], True)
+        biased = [k for k in range(len(rows)) if biases[k] is not None or allowed[k] is not None]
+        if biased:
+            self.bias = self._rows_of(self.bias, torch.float32)
+            for k in biased:  # rare, and each row's own values: one at a time
+                self.bias[rows[k]] = self._bias_row(biases[k] or (), allowed[k])
+
+    def _mark(self, table: torch.Tensor, cells: list[tuple[int, int]], value, accumulate: bool = False) -> None:
+        if cells:
+            flat = to_device([row * self.vocab + t for row, t in cells], torch.long, self.device)
+            table.view(-1).index_put_((flat,), torch.full((len(cells),), value, dtype=table.dtype,
+                                                          device=self.device), accumulate=accumulate)
+
+    def _bias_row(self, pairs: Sequence[tuple[int, float]], allowed: Sequence[int] | None) -> torch.Tensor:
+        """[V] float32: each pair's bias (0 elsewhere), -inf outside `allowed` (the host's order: bias, then
+        everything not allowed out)."""
+        row = torch.zeros(self.vocab, dtype=torch.float32)
+        if pairs:
+            ids, values = zip(*pairs)
+            row[list(ids)] = torch.tensor(values, dtype=torch.float32)
+        if allowed is not None:
+            kept = torch.full((self.vocab,), float("-inf"))
+            kept[list(allowed)] = row[list(allowed)]
+            row = kept
+        return to_device(row.numpy(), torch.float32, self.device)
+
+    def add_roots(self, rows: Sequence[int], roots: torch.Tensor) -> None:
+        """Penalized rows' roots (roots [n] on the device: first tokens the host may not have read yet)."""
+        if rows:
+            at = to_device(list(rows), torch.long, self.device)
+            self.counts.index_put_((at, roots), torch.ones(len(rows), device=self.device), accumulate=True)
 
     def prepare(self, changes: Sequence[RowChanges | None], padded: int) -> bool:
         """Upload the step's settings (padding and unchanged rows: none) -> whether any row changes anything."""
-        rows = list(changes) + [None] * (padded - len(changes))
-        if not any(rows):
+        if not any(changes):
             return False
-        if any(r is not None and r.penalized for r in rows) and self.counts is None:
+        if any(r is not None and r.penalized for r in changes) and self.counts is None:
             raise RuntimeError("a penalized row's counts were never set (DeviceChanges.set_rows at its admission)")
-        self._allocate()  # a step of banned rows only still reads counts: zeros, times zero penalties
         host = self._host[:padded]  # the caller has waited for its last upload (`DecodeStep.prepare`)
-        host[:] = 0.0
-        host[:, REPETITION] = 1.0
-        for i, r in enumerate(rows):
+        host[:] = NONE
+        for i, r in enumerate(changes):
             if r is not None:
-                host[i, :BANNED] = r.frequency, r.presence, r.repetition, r.ban_left if r.banned else 0
-                if r.banned:  # padded with its first id: a repeated column writes the same value
-                    host[i, BANNED:] = (list(r.banned) * MAX_BANNED)[:MAX_BANNED]
+                host[i] = r.settings()
         upload(self.settings, host)
         return True
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor, tree: DeviceTree, candidates: torch.Tensor,
               window: torch.Tensor) -> torch.Tensor:
-        """logits [Bp * N, V] (raw, kept for logprobs); rows [Bp] state rows; candidates [Bp, N]; window [Bp]
-        tokens each row's steps in flight emitted past the host's output count -> changed float32 [Bp, N, V]."""
+        """A step's: logits [Bp * N, V] (raw, kept for logprobs); rows [Bp] state rows; candidates [Bp, N];
+        window [Bp] tokens each row's steps in flight emitted past the host's output count -> changed float32
+        [Bp, N, V]."""
         padded, n = candidates.shape
-        settings = self.settings[:padded]
-        changed = apply_count_penalties(logits.view(padded, n, -1), self.counts[rows][:, None],
-                                        settings[:, FREQUENCY], settings[:, PRESENCE], settings[:, REPETITION],
-                                        self.prompt_seen[rows][:, None], tree, candidates)
-        early = (window[:, None] + tree.depths[None]) < settings[:, BAN_LEFT, None]  # [Bp, N]
-        columns = settings[:, None, BANNED:].long().expand(-1, n, -1)  # [Bp, N, E]
+        return self._change(logits.view(padded, n, -1), self.settings[:padded], rows, tree, candidates, window)
+
+    def first(self, logits: torch.Tensor, rows: Sequence[int], changes: Sequence[RowChanges | None]) -> torch.Tensor:
+        """Admitted rows' first tokens: logits [f, V] of rows `rows` (set by `set_rows`, no root yet) -> changed
+        float32 [f, V]. Their settings go up with them (a step in flight may still read the step's)."""
+        settings = to_device([(r.settings() if r is not None else NONE) for r in changes], torch.float32,
+                             self.device)
+        at = to_device(list(rows), torch.long, self.device)
+        window = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        return self._change(logits[:, None], settings, at, None, None, window)[:, 0]
+
+    def _change(self, logits: torch.Tensor, settings: torch.Tensor, rows: torch.Tensor, tree: DeviceTree | None,
+                candidates: torch.Tensor | None, window: torch.Tensor) -> torch.Tensor:
+        """logits [G, N, V] at `tree`'s nodes (None: N = 1, the root) -> the host's changes in its order
+        (`penalize`): bias, then count penalties, then the min_tokens ban."""
+        changed = logits.float()
+        if self.bias is not None:
+            biased = settings[:, BIASED, None, None] > 0  # [G, 1, 1]
+            changed = torch.where(biased, changed + self.bias[rows][:, None], changed)
+        if self.counts is not None:  # rows with zero penalties keep their logits exactly
+            changed = apply_count_penalties(changed, self.counts[rows][:, None], settings[:, FREQUENCY],
+                                            settings[:, PRESENCE], settings[:, REPETITION],
+                                            self.prompt_seen[rows][:, None], tree, candidates)
+        elif changed is logits:
+            changed = changed.clone()  # the ban below writes in place; the raw logits are kept
+        depths = tree.depths if tree is not None else torch.zeros(1, dtype=torch.long, device=logits.device)
+        early = (window[:, None] + depths[None]) < settings[:, BAN_LEFT, None]  # [G, N]
+        columns = settings[:, None, BANNED:].long().expand(-1, changed.shape[1], -1)  # [G, N, E]
         ends = changed.gather(2, columns).masked_fill(early[..., None], float("-inf"))
         return changed.scatter_(2, columns, ends)
 
     def record(self, rows: torch.Tensor, packed: torch.Tensor) -> None:
         """After a step: each row's emitted tokens (packed [Bp, D + 3]: count, D + 1 tokens, best) join its
-        counts; the padding rows' go to the padding row, which no sequence reads."""
+        counts (where counts exist); the padding rows' go to the padding row, which no sequence reads."""
+        if self.counts is None:
+            return
         tokens = packed[:, 1:-1]  # [Bp, D + 1]
         emitted = torch.arange(tokens.shape[1], device=tokens.device)[None] < packed[:, :1]
         self.counts.index_put_((rows[:, None].expand_as(tokens), tokens), emitted.float(), accumulate=True)

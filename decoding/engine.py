@@ -7,8 +7,8 @@
 
 Each step: schedule -> every decoding sequence verifies its tree in one batched
 `DecodeStep` (device-side greedy and sampled verification, CUDA graphs on the GPU;
-host verdicts only for rows whose logits the host changes: guides, bias, allowed tokens,
-bad words, choices), whose forward also carries the step's prompt chunks up to
+host verdicts only for rows whose logits the host changes: guides, guided choices, bad
+words), whose forward also carries the step's prompt chunks up to
 `mixed_prompt_tokens` (on a GPU cut to fill a token bucket); larger chunks, or a step with
 nothing decoding, get a prompt forward of their own (replayed from a CUDA graph of
 their token bucket, `prefill_graphs.py`) -> append tokens, check stops, free
@@ -17,8 +17,8 @@ finished sequences.
 With overlap (`EngineConfig.overlap`, on with CUDA graphs) a step is launched before the previous
 one is read back, and an admission waits for nothing either: a request's first token is
 decided on the device (argmax, or a draw for a sampled one), where the next step's tree starts from it,
-and reaches the host with the next step (`_FirstTokens`); only an admission with host work (any logit
-change or min_tokens ban) reads it at once. With `apply_interval=k` the steps read back gather until k have,
+and reaches the host with the next step (`_FirstTokens`); only an admission with host work (a guide or bad
+words) reads it at once. With `apply_interval=k` the steps read back gather until k have,
 and each sequence's tokens of all of them are applied at once (`_apply_steps`): the host's counters then lag
 the device by up to k steps, which the blocks back as they back a step in flight.
 
@@ -95,8 +95,8 @@ class _InFlight:
 
 @dataclass
 class _FirstTokens:
-    """First output tokens of admitted rows that need no host logic (greedy, or sampled, without logit
-    changes or min_tokens; their logprobs queued on the device too), decided on the device and read back a step
+    """First output tokens of admitted rows that need no host logic (greedy or sampled, with the logit
+    changes the device makes; their logprobs queued on the device too), decided on the device and read back a step
     later, so an admission does not stall the overlapped steps (the next step decodes from the device's
     roots)."""
 
@@ -488,16 +488,21 @@ class LLMEngine:
         The root is the first output token, except after preemption, when it is already known.
         """
         last = hidden[to_device([i for _, i in ready], torch.long, self.device)]  # [n, H]
+        step = self.runner.decode
+        for request, _ in ready:
+            request.row = step.acquire_row()
+        self._set_changes(ready)
         fresh = [k for k, (request, _) in enumerate(ready) if not request.seq.output_token_ids]
         roots = [request.seq.output_token_ids[-1] if request.seq.output_token_ids else 0 for request, _ in ready]
         deferred = None
         if fresh:
             at = to_device(fresh, torch.long, self.device)
-            raw = self.model.compute_logits(last[at])  # [f, V]
-            argmax = raw.argmax(-1)  # [f]
-            if self.overlap and not any(self._first_on_host(ready[k][0]) for k in fresh):
+            raw = self.model.compute_logits(last[at])  # [f, V], kept for logprobs
+            chosen = self._first_changes([ready[k][0] for k in fresh], raw)  # with the device's logit changes
+            argmax = chosen.argmax(-1)  # [f]
+            if self.overlap and not any(self._needs_host(ready[k][0]) for k in fresh):
                 # the device keeps the roots (argmax, or a draw for sampled rows); the host reads them a step later
-                first = self._draw_first_tokens([ready[k][0] for k in fresh], raw, argmax)
+                first = self._draw_first_tokens([ready[k][0] for k in fresh], chosen, argmax)
                 roots = to_device(roots, torch.long, self.device)
                 roots[at] = first
                 deferred = copy_to_host(first)
@@ -507,14 +512,11 @@ class LLMEngine:
                 for k in fresh:
                     ready[k][0].first_pending = True
             else:
-                plain = [(r := ready[k][0]).sampling.greedy and not self._first_on_host(r) and r.params.logprobs is None
+                plain = [(r := ready[k][0]).sampling.greedy and not self._needs_host(r) and r.params.logprobs is None
                          for k in fresh]  # the others' tokens, and any logprobs, are `_first_token`'s
                 argmax = argmax.tolist()  # the step's one sync for plain greedy rows
                 for j, k in enumerate(fresh):
                     roots[k] = argmax[j] if plain[j] else self._first_token(ready[k][0], raw[j:j + 1])
-        step = self.runner.decode
-        for request, _ in ready:
-            request.row = step.acquire_row()
         # the heads' proposals only where the rows' next steps may speculate: on a 128k vocabulary they
         # are an eager lm_head per admission, which a batch settled on plain decoding would not use
         propose = self.policy.may_speculate(step.bucket(step.rows_in_use))
@@ -523,23 +525,39 @@ class LLMEngine:
             tokens = [(seq := request.seq).token_ids(0, prefill_target(seq)) for request, _ in ready]
         bases = [request.seq.num_computed_tokens for request, _ in ready]
         step.set_states([request.row for request, _ in ready], roots, bases, last, propose, tokens)
-        self._set_counts(ready)
+        step.add_roots([request.row for request, _ in ready if self._device_counts(request)])
         if deferred is not None:
             self._first_tokens.append(_FirstTokens([ready[k][0] for k in fresh], deferred, first_logprobs))
             return []
         return self._emit_first_tokens([(ready[k][0], roots[k]) for k in fresh])
 
-    def _set_counts(self, ready: list[tuple[EngineRequest, int]]) -> None:
-        """The device's output counts of admitted rows it penalizes: their outputs before the root, then the
-        root already on the device (a fresh row's first token may not be read back yet)."""
-        penalized = [request for request, _ in ready
-                     if request.params.has_count_penalties and not self._needs_host(request)]
-        if not penalized:
+    def _device_counts(self, request: EngineRequest) -> bool:
+        """Whether the device keeps the request's output counts (it makes its count penalties)."""
+        return request.params.has_count_penalties and not self._needs_host(request)
+
+    def _set_changes(self, ready: list[tuple[EngineRequest, int]]) -> None:
+        """Admitted rows whose logits the device changes, before their first token: a penalized row's counts
+        of its outputs before the root (`DecodeStep.add_roots` adds the root once in place) and the prompt
+        tokens a repetition penalty counts; a biased row's bias."""
+        requests = [r for r, _ in ready if not self._needs_host(r) and (
+            r.params.has_count_penalties or r.params.logit_bias or r.params.allowed_token_ids is not None)]
+        if not requests:
             return
-        outputs = [request.seq.output_token_ids[:-1] for request in penalized]  # fresh rows: none yet
-        prompts = [request.seq.prompt_token_ids if request.params.repetition_penalty != 1 else []
-                   for request in penalized]
-        self.runner.decode.set_counts([request.row for request in penalized], outputs, prompts)
+        counted = [self._device_counts(r) for r in requests]
+        outputs = [r.seq.output_token_ids[:-1] if c else None for r, c in zip(requests, counted)]  # fresh: none yet
+        prompts = [r.seq.prompt_token_ids if c and r.params.repetition_penalty != 1 else []
+                   for r, c in zip(requests, counted)]
+        self.runner.decode.changes.set_rows([r.row for r in requests], outputs, prompts,
+                                            [r.params.logit_bias or None for r in requests],
+                                            [r.params.allowed_token_ids for r in requests])
+
+    def _first_changes(self, requests: list[EngineRequest], raw: torch.Tensor) -> torch.Tensor:
+        """Fresh rows' first-token logits raw [f, V] with the changes the device makes for them (bias, the
+        repetition penalty's prompt tokens, the min_tokens ban), or raw itself where none has any."""
+        changes = [self._row_changes(r) for r in requests]
+        if not any(changes):
+            return raw
+        return self.runner.decode.changes.first(raw, [r.row for r in requests], changes)
 
     def _draw_first_tokens(self, requests: list[EngineRequest], raw: torch.Tensor,
                            argmax: torch.Tensor) -> torch.Tensor:
@@ -673,7 +691,7 @@ class LLMEngine:
             self.policy.observe_subtrees(spec, np.asarray(bests, dtype=np.int64))
 
     def _verify_on_host(self, requests: list[EngineRequest], tree: DeviceTree, part1) -> None:
-        """Verdicts for rows the device rules cannot decide (guides, bias, bad words...): each such row's node
+        """Verdicts for rows the device rules cannot decide (guides, bad words): each such row's node
         targets from its own changed logits (the argmax, or its sampler's draw), then one batched verdict for
         them all on the device, over the device's own. Rows whose changes can be made together (`batchable`)
         are, HOST_CHUNK_ROWS at a time. Nothing is read back here but a guided chunk's candidates: the
@@ -736,31 +754,23 @@ class LLMEngine:
 
     def _needs_host(self, request: EngineRequest) -> bool:
         """Whether the request's rows need the host's verdict: logit changes the device does not make (guides,
-        bias, allowed tokens, bad words, choices), or a min_tokens ban of more end tokens than it holds."""
+        guided choices, bad words), or a min_tokens ban of more end tokens than it holds. Its first token too."""
         return request.host_always or (request.seq.num_output_tokens < request.eos_banned_until
                                        and len(request.stop_ids) > MAX_BANNED)
 
-    @staticmethod
-    def _first_on_host(request: EngineRequest) -> bool:
-        """Whether an admitted request's first token is the host's: a logit change that can apply to it (the
-        device's first draw is the raw logits'). Presence and frequency penalties cannot (no output yet to
-        count); the repetition penalty counts the prompt, and a min_tokens ban may hold."""
-        params = request.params
-        return (params.has_host_changes or params.repetition_penalty != 1
-                or (request.eos_banned_until > 0 and bool(request.stop_ids)))
-
     def _row_changes(self, request: EngineRequest) -> RowChanges | None:
-        """The count penalties and min_tokens ban the device makes for a row the host does not decide (None:
-        none). The ban's bound counts from the host's output count, as the device's root window does."""
+        """The bias, count penalties and min_tokens ban the device makes for a row the host does not decide
+        (None: none). The ban's bound counts from the host's output count, as the device's root window does."""
         if self._needs_host(request):
             return None
         params = request.params
         ban_left = request.eos_banned_until - request.seq.num_output_tokens - request.first_pending
         banned = tuple(sorted(request.stop_ids)) if ban_left > 0 else ()
-        if not (params.has_count_penalties or banned):
+        biased = bool(params.logit_bias) or params.allowed_token_ids is not None
+        if not (params.has_count_penalties or banned or biased):
             return None
         return RowChanges(params.frequency_penalty, params.presence_penalty, params.repetition_penalty,
-                          ban_left, banned)
+                          ban_left, banned, biased)
 
     def _row_sampling(self, request: EngineRequest, tree: DeviceTree | None) -> RowSampling | None:
         """Device-side sampling settings for a sampling row the host does not handle; None otherwise.

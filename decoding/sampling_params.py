@@ -191,10 +191,9 @@ class SamplingParams:
 
     @property
     def has_host_changes(self) -> bool:
-        """Whether a logit change only the host makes applies (bias, allowed tokens, bad words, a guide): the host
-        then gives every verdict. Count penalties alone the device makes (`device_changes.py`)."""
-        return (bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
-                or bool(self.guides))
+        """Whether a logit change only the host makes applies (bad words, a guide or guided choice): the host then
+        gives every verdict. Bias, allowed tokens and count penalties the device makes (`device_changes.py`)."""
+        return bool(self.bad_words) or bool(self.guides)
 
     @property
     def has_count_penalties(self) -> bool:

@@ -416,14 +416,17 @@ def test_graph_engine_step_logprobs_overlap_and_equal_a_full_forwards(default_mo
 
 
 def test_graph_engine_penalized_and_min_tokens_rows_overlap_and_write_the_hosts_text(default_model_dir):
-    """Count penalties and the min_tokens ban are made inside the captured step (`device_changes.py`): such rows
-    run overlapped graph steps beside free ones, with no host verdict, and write what the host's path writes."""
+    """Bias, count penalties and the min_tokens ban are made inside the captured step (`device_changes.py`):
+    such rows run overlapped graph steps beside free ones, with no host verdict, and write what the host's path
+    writes."""
     model = MedusaModel.from_pretrained(device="cuda", dtype=torch.float32)
     prompts = [model.encode([{"role": "user", "content": text}]) for text in
-               ("Write a haiku about the sea.", "List five fruits.", "Say hi.", "What is 17 times 3?")]
+               ("Write a haiku about the sea.", "List five fruits.", "Say hi.", "Name a colour.",
+                "What is 17 times 3?")]
     params = [SamplingParams(max_tokens=40, presence_penalty=0.8, frequency_penalty=0.4),
               SamplingParams(max_tokens=40, repetition_penalty=1.3, temperature=0.8, seed=3),
               SamplingParams(max_tokens=40, min_tokens=30),
+              SamplingParams(max_tokens=40, logit_bias={16: 2.0, 17: -3.0}, temperature=0.7, seed=5),
               SamplingParams(max_tokens=40)]
     engine = model.engine()
     engine.warmup(max_batch=4)

@@ -19,13 +19,30 @@ from tiny_models import tiny_decoder
 VOCAB = 12
 KINDS = [dict(presence_penalty=0.4, frequency_penalty=0.3), dict(repetition_penalty=1.8), dict(),
          dict(repetition_penalty=0.6, presence_penalty=-0.5, min_tokens=9), dict(min_tokens=7),
-         dict(frequency_penalty=1.1, min_tokens=30)]
+         dict(frequency_penalty=1.1, min_tokens=30), dict(logit_bias={3: 2.5, 7: -4.0}, frequency_penalty=0.2),
+         dict(allowed_token_ids=[1, 4, 6, 8, 11], logit_bias={4: 1.5, 5: 3.0}, repetition_penalty=1.4, min_tokens=40)]
 
 
 def host_logits(params, output, prompt, logits, tree, candidates, banned):
-    """The host's path for one row: penalties at every node from its own text, then the min_tokens ban."""
+    """The host's path for one row: bias and penalties at every node from its own text, then the min_tokens ban
+    (tree None: an admission's first token, no output yet)."""
     changed = penalize(params, output, logits, tree, candidates, prompt).float()
-    return suppress_eos(params, len(output), banned, changed, tree.depths)
+    return suppress_eos(params, len(output), banned, changed, tree.depths if tree else torch.zeros(1).long())
+
+
+def row_changes_of(params, output_count, window, ends):
+    """The engine's `_row_changes` for a row whose host has counted `output_count - window` outputs."""
+    ban_left = params.min_tokens - (output_count - window)
+    row = RowChanges(params.frequency_penalty, params.presence_penalty, params.repetition_penalty, ban_left,
+                     ends if ban_left > 0 else (), bool(params.logit_bias) or params.allowed_token_ids is not None)
+    return row if row.penalized or row.banned or row.biased else None
+
+
+def set_rows(changes, rows, params, outputs, prompts):
+    """The engine's `_set_changes` (outputs before the root; None where not penalized)."""
+    changes.set_rows(rows, [o if p.has_count_penalties else None for p, o in zip(params, outputs)],
+                     [pr if p.repetition_penalty != 1 else [] for p, pr in zip(params, prompts)],
+                     [p.logit_bias or None for p in params], [p.allowed_token_ids for p in params])
 
 
 def test_device_changes_equal_the_hosts_row_by_row_and_follow_the_emitted_tokens():
@@ -34,23 +51,17 @@ def test_device_changes_equal_the_hosts_row_by_row_and_follow_the_emitted_tokens
     tree = DeviceTree.from_spec(TreeSpec.load("tree-16").with_lookup(3), torch.device("cpu"))
     n, gen = tree.num_nodes, torch.Generator().manual_seed(0)
     changes = DeviceChanges(max_seqs=8, vocab=VOCAB, device=torch.device("cpu"))
-    rows = [5, 0, 3, 7, 1, 2]
+    rows = [5, 0, 3, 7, 1, 2, 4, 6]
     params = [SamplingParams(max_tokens=64, **kind) for kind in KINDS]
     outputs = [torch.randint(0, VOCAB, (2 + g,), generator=gen).tolist() for g in range(len(KINDS))]
     prompts = [torch.randint(0, VOCAB, (5,), generator=gen).tolist() for _ in KINDS]
-    windows = [0, 2, 1, 3, 0, 2]  # of each output, the tokens of steps in flight
+    windows = [0, 2, 1, 3, 0, 2, 1, 0]  # of each output, the tokens of steps in flight
     banned = [(VOCAB - 1, 4)] * len(KINDS)
+    set_rows(changes, rows, params, [o[:-1] for o in outputs], prompts)  # the root apart
     penalized = [g for g, p in enumerate(params) if p.has_count_penalties]
-    changes.set_rows([rows[g] for g in penalized], [outputs[g][:-1] for g in penalized],  # the root apart
-                     [prompts[g] if params[g].repetition_penalty != 1 else [] for g in penalized],
-                     torch.tensor([outputs[g][-1] for g in penalized]))
+    changes.add_roots([rows[g] for g in penalized], torch.tensor([outputs[g][-1] for g in penalized]))
     for step in range(2):
-        row_changes = []
-        for p, output, window, ends in zip(params, outputs, windows, banned):
-            ban_left = p.min_tokens - (len(output) - window)  # the host's count lags the device's by the window
-            row = RowChanges(p.frequency_penalty, p.presence_penalty, p.repetition_penalty, ban_left,
-                             ends if ban_left > 0 else ())
-            row_changes.append(row if row.penalized or row.banned else None)
+        row_changes = [row_changes_of(p, len(o), w, e) for p, o, w, e in zip(params, outputs, windows, banned)]
         assert changes.prepare(row_changes, len(KINDS)) and row_changes[2] is None
         candidates = torch.randint(0, VOCAB, (len(KINDS), n), generator=gen)
         logits = torch.randn(len(KINDS) * n, VOCAB, generator=gen)
@@ -72,6 +83,23 @@ def test_device_changes_equal_the_hosts_row_by_row_and_follow_the_emitted_tokens
         outputs = [o + tokens[g, : counts[g]].tolist() for g, o in enumerate(outputs)]
 
 
+def test_first_token_changes_equal_the_hosts():
+    """An admission's first token (no output yet): bias, allowed tokens, the repetition penalty's prompt tokens
+    and the min_tokens ban, as the host's `_first_token` makes them; rows in a table with other rows' bias."""
+    gen = torch.Generator().manual_seed(1)
+    changes = DeviceChanges(max_seqs=8, vocab=VOCAB, device=torch.device("cpu"))
+    params = [SamplingParams(max_tokens=64, **kind) for kind in KINDS]
+    prompts = [torch.randint(0, VOCAB, (6,), generator=gen).tolist() for _ in KINDS]
+    rows = [3, 5, 0, 7, 1, 2, 6, 4]
+    set_rows(changes, rows, params, [[] for _ in KINDS], prompts)
+    raw = torch.randn(len(KINDS), VOCAB, generator=gen)
+    got = changes.first(raw, rows, [row_changes_of(p, 0, 0, (VOCAB - 1, 4)) for p in params])
+    for g, p in enumerate(params):
+        want = host_logits(p, [], prompts[g], raw[g:g + 1], None, None, (VOCAB - 1, 4))[0]
+        assert torch.equal(got[g], want), KINDS[g]
+    assert torch.isneginf(got[7]).sum() == VOCAB - 3  # allowed 1, 6, 8 (4 and 11 are ends, banned by min_tokens)
+
+
 def test_prepare_reports_no_changes_and_refuses_counts_never_set():
     changes = DeviceChanges(max_seqs=4, vocab=VOCAB, device=torch.device("cpu"))
     assert not changes.prepare([None, None], 4) and changes.counts is None  # no memory until a row needs it
@@ -88,14 +116,17 @@ def tiny():
 
 
 def mixed_params(stop_ids=(VOCAB - 1,)):
-    """Penalized, banned, sampled and free rows together (seeded draws: the same text whichever path)."""
+    """Penalized, banned, biased, sampled and free rows together (seeded draws: the same text either way)."""
     return [SamplingParams(max_tokens=20, presence_penalty=0.9, frequency_penalty=0.4),
             SamplingParams(max_tokens=20, repetition_penalty=1.6, temperature=0.8, seed=3),
             SamplingParams(max_tokens=20, min_tokens=12, stop_token_ids=stop_ids),
             SamplingParams(max_tokens=20),
             SamplingParams(max_tokens=20, temperature=1.0, seed=5, frequency_penalty=0.8, min_tokens=6,
                            stop_token_ids=stop_ids),
-            SamplingParams(max_tokens=16, temperature=0.7, seed=9)]
+            SamplingParams(max_tokens=16, temperature=0.7, seed=9),
+            SamplingParams(max_tokens=18, logit_bias={3: 2.0, 6: -3.0}, temperature=0.9, seed=2),
+            SamplingParams(max_tokens=18, allowed_token_ids=[1, 2, 5, 7, 9, VOCAB - 1], presence_penalty=0.7,
+                           min_tokens=5, stop_token_ids=stop_ids)]
 
 
 def run(model, heads, params, overlap, host_path=False, num_blocks=256):
@@ -157,14 +188,16 @@ def test_a_reused_state_row_and_a_preempted_row_count_their_own_tokens(tiny):
     assert [o.token_ids for o in outs] == alone
 
 
-def test_a_presence_penalized_admission_draws_its_first_token_on_the_device(tiny):
-    """Presence and frequency penalties count the output, which is empty at the first token: an admission with
-    only those leaves its first token on the device (read a step later), its counts started from it there;
-    the text equals the host's path."""
+def test_changed_admissions_draw_their_first_tokens_on_the_device(tiny):
+    """Admissions with penalties, bias, allowed tokens or a min_tokens ban leave their first tokens on the
+    device (read a step later), changed there, their counts started from them; texts equal the host's path."""
     model, heads = tiny
-    params = [SamplingParams(max_tokens=16, presence_penalty=1.5, frequency_penalty=0.5, temperature=0.9, seed=s)
-              for s in range(3)]
-    prompts = random_prompts(3, VOCAB, 10, seed=8)
+    params = [SamplingParams(max_tokens=16, presence_penalty=1.5, frequency_penalty=0.5, temperature=0.9, seed=0),
+              SamplingParams(max_tokens=16, repetition_penalty=1.7),
+              SamplingParams(max_tokens=16, logit_bias={2: 3.0}, temperature=0.8, seed=1),
+              SamplingParams(max_tokens=16, allowed_token_ids=[3, 4, 8, VOCAB - 1], min_tokens=4,
+                             stop_token_ids=(VOCAB - 1,))]
+    prompts = random_prompts(4, VOCAB, 10, seed=8)
     engine = LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4, overlap=True))
     engine._first_token = lambda *a: pytest.fail("a first token was the host's")
     engine.runner.decode.override = lambda *a: pytest.fail("a row took the host's verdict")
