@@ -39,7 +39,7 @@ import torch
 from medusa.config import ModelConfig
 from medusa.decoding.batch_verify import sampled_targets
 from medusa.decoding.block_manager import BlockManager
-from medusa.decoding.device_changes import DeviceChanges, RowChanges
+from medusa.decoding.device_changes import UNCHANGED, DeviceChanges, RowChanges
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, host_buffer, overwritten, to_device, upload
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
@@ -178,7 +178,7 @@ class DecodeStep:
         self.forced_step = False  # whether the prepared step lays forced tokens (graphs of their own)
         # bias, count penalties and min_tokens bans the device makes alone (`device_changes.py`)
         self.changes = DeviceChanges(max_seqs, model.config.vocab_size, self.device)
-        self.changes_step = False  # whether the prepared step changes logits (graphs of their own)
+        self.changes_step = UNCHANGED  # what the prepared step changes in its logits (graphs of their own)
         self.sampling_step = GREEDY  # the prepared step's sampling kind (graphs of their own)
         self.propose_step = True  # whether the prepared step runs the heads for the next one
         self.kv_bound: int | None = None  # the prepared step's max_kv_len (`kv_len_bound`)
@@ -436,7 +436,7 @@ class DecodeStep:
     # ---- the two parts ----------------------------------------------------
 
     def _part1(self, tree: DeviceTree, padded: int, sampling: int, prompts: PromptSegment | None = None,
-               kv_bound: int | None = None, changes: bool = False) -> _Part1:
+               kv_bound: int | None = None, changes: int = UNCHANGED) -> _Part1:
         n = tree.num_nodes
         rows = self.rows[:padded]
         # each row's tree after its committed tokens (base [Bp]): fills `slots` and `kv_lens`
@@ -463,7 +463,7 @@ class DecodeStep:
         # tokens each row's steps in flight accepted past the host's count: node i's target is output
         # number (host's count) + root_window + depth(i)
         root_window = base - self.known_base[:padded] if sampling or changes else None  # [Bp]
-        chosen = self.changes.apply(logits, rows, tree, candidates, root_window) if changes else logits
+        chosen = self.changes.apply(logits, rows, tree, candidates, root_window, changes) if changes else logits
         targets = top_k_indices(chosen.view(padded * n, -1), 1).view(padded, n)  # argmax: the first maximum
         if sampling:  # lossless sampling: each node's target is a draw; acceptance is then the same test
             uniforms = self._uniforms_at(root_window[:, None] + tree.depths[None])  # [Bp, N]
@@ -480,7 +480,7 @@ class DecodeStep:
         return self.uniforms[: window.shape[0]].gather(1, window.clamp(max=self.uniforms.shape[1] - 1))
 
     def _part2(self, tree: DeviceTree, padded: int, part1: _Part1, propose: bool = True,
-               changes: bool = False) -> torch.Tensor:
+               changes: int = UNCHANGED) -> torch.Tensor:
         n = tree.num_nodes
         best, next_tokens, rows = self.best[:padded], self.next[:padded], self.rows[:padded]
         history = (self.history, self.history_len) if self.max_lookup else (None, None)
@@ -520,12 +520,12 @@ class DecodeStep:
     # ---- CUDA graphs ------------------------------------------------------
 
     def _graph(self, tree: DeviceTree, padded: int, sampling: int, propose: bool = True,
-               prompts: PromptSegment | None = None, kv_bound: int | None = None, changes: bool = False) -> dict:
+               prompts: PromptSegment | None = None, kv_bound: int | None = None, changes: int = UNCHANGED) -> dict:
         """The graphs of one key, captured at first use; a graph of the tables' width also captures its
         short-context sibling (`kv_len_bound`) if it has one, so that warmup leaves none for the hot path."""
         prompt_tokens = prompts.num_tokens if prompts else 0
         key = (padded, tree.spec, sampling, propose or tree.num_nodes > 1, kv_bound, self.forced_step,
-               changes and self.changes.layout, prompt_tokens)
+               changes and (changes, self.changes.layout), prompt_tokens)
         if key not in self._graphs:
             start = time.perf_counter()
             self._graphs[key] = self._capture(tree, padded, sampling, key[3], prompts, kv_bound, changes)
@@ -549,7 +549,7 @@ class DecodeStep:
 
     @torch.inference_mode()
     def _capture(self, tree: DeviceTree, padded: int, sampling: int, propose: bool,
-                 prompts: PromptSegment | None, kv_bound: int | None = None, changes: bool = False) -> dict:
+                 prompts: PromptSegment | None, kv_bound: int | None = None, changes: int = UNCHANGED) -> dict:
         """Warm up on an all-padding batch (touches only the scratch slot and padding row, and no
         prompt token's KV), then capture."""
         with self._padding_inputs(), (prompts.padding() if prompts is not None else nullcontext()):

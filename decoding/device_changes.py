@@ -27,6 +27,9 @@ from medusa.decoding.logits_processing import apply_count_penalties
 MAX_BANNED = 8  # end tokens a row's min_tokens ban holds on the device; a request with more is the host's
 FREQUENCY, PRESENCE, REPETITION, BAN_LEFT, BIASED, BANNED = range(6)  # a row's settings (banned: the rest)
 SETTINGS = BANNED + MAX_BANNED
+# what a step changes (part of its graphs' key): nothing; bias, presence / frequency and bans; those and the
+# repetition penalty, whose pass over the logits costs as much as all the others (skipped where no row has one)
+UNCHANGED, CHANGED, REPEATED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -127,10 +130,11 @@ class DeviceChanges:
             at = to_device(list(rows), torch.long, self.device)
             self.counts.index_put_((at, roots), torch.ones(len(rows), device=self.device), accumulate=True)
 
-    def prepare(self, changes: Sequence[RowChanges | None], padded: int) -> bool:
-        """Upload the step's settings (padding and unchanged rows: none) -> whether any row changes anything."""
+    def prepare(self, changes: Sequence[RowChanges | None], padded: int) -> int:
+        """Upload the step's settings (padding and unchanged rows: none) -> what the step changes (UNCHANGED,
+        CHANGED, REPEATED)."""
         if not any(changes):
-            return False
+            return UNCHANGED
         if any(r is not None and r.penalized for r in changes) and self.counts is None:
             raise RuntimeError("a penalized row's counts were never set (DeviceChanges.set_rows at its admission)")
         host = self._host[:padded]  # the caller has waited for its last upload (`DecodeStep.prepare`)
@@ -139,15 +143,16 @@ class DeviceChanges:
             if r is not None:
                 host[i] = r.settings()
         upload(self.settings, host)
-        return True
+        return REPEATED if any(r is not None and r.repetition != 1 for r in changes) else CHANGED
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor, tree: DeviceTree, candidates: torch.Tensor,
-              window: torch.Tensor) -> torch.Tensor:
+              window: torch.Tensor, kind: int = REPEATED) -> torch.Tensor:
         """A step's: logits [Bp * N, V] (raw, kept for logprobs); rows [Bp] state rows; candidates [Bp, N];
-        window [Bp] tokens each row's steps in flight emitted past the host's output count -> changed float32
-        [Bp, N, V]."""
+        window [Bp] tokens each row's steps in flight emitted past the host's output count; kind: `prepare`'s
+        -> changed float32 [Bp, N, V]."""
         padded, n = candidates.shape
-        return self._change(logits.view(padded, n, -1), self.settings[:padded], rows, tree, candidates, window)
+        return self._change(logits.view(padded, n, -1), self.settings[:padded], rows, tree, candidates, window,
+                            kind == REPEATED)
 
     def first(self, logits: torch.Tensor, rows: Sequence[int], changes: Sequence[RowChanges | None]) -> torch.Tensor:
         """Admitted rows' first tokens: logits [f, V] of rows `rows` (set by `set_rows`, no root yet) -> changed
@@ -156,20 +161,22 @@ class DeviceChanges:
                              self.device)
         at = to_device(list(rows), torch.long, self.device)
         window = torch.zeros(len(rows), dtype=torch.long, device=self.device)
-        return self._change(logits[:, None], settings, at, None, None, window)[:, 0]
+        repeats = any(r is not None and r.repetition != 1 for r in changes)
+        return self._change(logits[:, None], settings, at, None, None, window, repeats)[:, 0]
 
     def _change(self, logits: torch.Tensor, settings: torch.Tensor, rows: torch.Tensor, tree: DeviceTree | None,
-                candidates: torch.Tensor | None, window: torch.Tensor) -> torch.Tensor:
+                candidates: torch.Tensor | None, window: torch.Tensor, repeats: bool) -> torch.Tensor:
         """logits [G, N, V] at `tree`'s nodes (None: N = 1, the root) -> the host's changes in its order
-        (`penalize`): bias, then count penalties, then the min_tokens ban."""
+        (`penalize`): bias, then count penalties, then the min_tokens ban. repeats=False: no row has a
+        repetition penalty."""
         changed = logits.float()
         if self.bias is not None:
-            biased = settings[:, BIASED, None, None] > 0  # [G, 1, 1]
-            changed = torch.where(biased, changed + self.bias[rows][:, None], changed)
+            biased = settings[:, BIASED, None] > 0  # [G, 1]: other rows' bias rows may be stale
+            changed = changed + torch.where(biased, self.bias[rows], 0.0)[:, None]  # x + 0 is x
         if self.counts is not None:  # rows with zero penalties keep their logits exactly
+            repetition, seen = (settings[:, REPETITION], self.prompt_seen[rows][:, None]) if repeats else (None, None)
             changed = apply_count_penalties(changed, self.counts[rows][:, None], settings[:, FREQUENCY],
-                                            settings[:, PRESENCE], settings[:, REPETITION],
-                                            self.prompt_seen[rows][:, None], tree, candidates)
+                                            settings[:, PRESENCE], repetition, seen, tree, candidates)
         elif changed is logits:
             changed = changed.clone()  # the ban below writes in place; the raw logits are kept
         depths = tree.depths if tree is not None else torch.zeros(1, dtype=torch.long, device=logits.device)

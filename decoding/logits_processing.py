@@ -155,20 +155,42 @@ def apply_count_penalties(logits: torch.Tensor, counts: torch.Tensor, frequency:
     (`device_changes.py`), so both give the same bits: logits [G, N, V]; counts [G, 1, V] of each row's output
     (ending with the root); frequency, presence [G]; repetition [G] or None (all 1); prompt_seen [G, 1, V] bool
     or None (no prompt token counts) -> float32 logits, each node's counts with its own path below the root
-    added (candidates [G, N]). A row of zero penalties (and repetition 1) keeps its logits exactly."""
+    added (candidates [G, N]). A row of zero penalties (and repetition 1) keeps its logits exactly.
+
+    Every node is penalized by its row's counts ([G, 1, V], broadcast: three passes over [G, N, V]); then
+    the cells of the tokens on the tree, [G, N, N] of them, are computed again with the node's own counts
+    there (a token on the node's path counts once more per occurrence). Materializing per-node counts
+    [G, N, V] instead cost a dozen passes: on a GPU, with every row of a step changed at once, ~0.6 ms at
+    64 rows of a 16-node tree."""
     rows, nodes, vocab = logits.shape
-    counts = counts.expand(rows, nodes, vocab).clone()  # [G, N, V]
-    if candidates is not None and nodes > 1:
-        on_path = tree.mask[:, 1:].float()  # [N, N - 1]: node j >= 1 is node i's ancestor-or-self
-        counts.scatter_add_(2, candidates[:, None, 1:].expand(-1, nodes, -1), on_path.expand(rows, -1, -1))
-    logits = logits.float()
+    seen = None
     if repetition is not None:
-        seen = counts > 0
-        if prompt_seen is not None:
-            seen |= prompt_seen
-        penalty = repetition.view(rows, 1, 1)
+        seen = counts > 0 if prompt_seen is None else (counts > 0) | prompt_seen  # [G, 1, V]
+    out = _penalized(logits.float(), counts, seen, frequency, presence, repetition)
+    if candidates is None or nodes == 1:
+        return out
+    # cell (g, n, j): token t = candidates[g, j] at node n, counted `extra` more times on n's path below the
+    # root (all j sharing a token write the same value, so the scatter is deterministic)
+    on_path = tree.mask.clone()
+    on_path[:, 0] = False  # the root is in the output already
+    same = candidates[:, :, None] == candidates[:, None, :]  # [G, N(j), N(k)]
+    extra = torch.einsum("nk,gjk->gnj", on_path.float(), same.float())  # [G, N(n), N(j)]
+    columns = candidates[:, None, :].expand(rows, nodes, nodes)  # [G, N, N]
+    cell_counts = counts.expand(rows, nodes, vocab).gather(2, columns) + extra
+    cell_seen = None if seen is None else seen.expand(rows, nodes, vocab).gather(2, columns) | (extra > 0)
+    cells = _penalized(logits.float().gather(2, columns), cell_counts, cell_seen, frequency, presence, repetition)
+    return out.scatter_(2, columns, cells)
+
+
+def _penalized(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor | None, frequency: torch.Tensor,
+               presence: torch.Tensor, repetition: torch.Tensor | None) -> torch.Tensor:
+    """[G, ...] float32 logits with counts and seen (None: no repetition penalty) broadcast to them: the
+    repetition penalty on seen tokens, then frequency * count and presence where counted (vLLM's order)."""
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    if seen is not None:
+        penalty = repetition.view(shape)
         logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    return logits - frequency.view(rows, 1, 1) * counts - presence.view(rows, 1, 1) * (counts > 0).float()
+    return logits - frequency.view(shape) * counts - presence.view(shape) * (counts > 0).float()
 
 
 def _node_texts(output_ids: Sequence[int], tree: DeviceTree | None, candidates: torch.Tensor | None,
