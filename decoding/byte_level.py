@@ -33,6 +33,22 @@ def _byte_of_char() -> dict[str, int]:
     return mapping
 
 
+_BYTE_OF_CHAR = _byte_of_char()
+
+
+def in_byte_alphabet(pieces: Sequence[str | None]) -> bool:
+    """Whether vocabulary pieces are written in GPT-2's byte alphabet: a space shown as "Ġ", which begins a
+    good part of any such vocabulary's words (and no SentencePiece "▁")."""
+    words = [piece for piece in pieces if piece]
+    spaced = sum(piece[0] == "Ġ" for piece in words)
+    return spaced * 100 >= len(words) and not any(piece[0] == "▁" for piece in words)
+
+
+def piece_bytes(piece: str) -> bytes:
+    """One vocabulary piece's bytes (`_token_bytes` with the alphabet built once)."""
+    return _token_bytes(piece, _BYTE_OF_CHAR)
+
+
 def _token_bytes(token: str | None, byte_of: dict[str, int]) -> bytes:
     """A vocabulary entry's bytes: through the alphabet, or the token's own UTF-8 where a character is not in
     it (an added token such as "<think>" written plainly), as the ByteLevel decoder does."""

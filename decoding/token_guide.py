@@ -58,15 +58,29 @@ class VocabTrie:
 
 
 def token_texts(tokenizer: Any) -> list[str | None]:
-    """Each id's text alone, or None where it has none a guide can use (special, empty, a partial character)."""
+    """Each id's text alone, or None where it has none a guide can use (special, empty, a partial character).
+
+    A byte-level BPE's texts come from the detokenizer's table where it has one; where it has none (its
+    check against the Rust decode of every id failed, or the decoder is not plain ByteLevel: both seen with
+    other tokenizers versions), from the vocabulary's pieces through GPT-2's byte alphabet, never from the
+    pieces as written ("Ġ" for a space: a guide that needs a space would then find no token for it)."""
     table = byte_level.byte_table(tokenizer)
     if table is not None:
         return [_utf8(data) for data in table]
-    special = set(tokenizer.all_special_ids)
+    special = set(tokenizer.all_special_ids) | _added_specials(tokenizer)
     size = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
     pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
+    if byte_level.in_byte_alphabet(pieces):
+        return [None if token in special or piece is None else _utf8(byte_level.piece_bytes(piece))
+                for token, piece in enumerate(pieces)]
     return [None if token in special or piece is None or _is_byte_piece(piece) else piece.replace("▁", " ")
             for token, piece in enumerate(pieces)]
+
+
+def _added_specials(tokenizer: Any) -> set[int]:
+    """Ids of the added tokens a fast tokenizer marks special (some are not among `all_special_ids`)."""
+    rust = getattr(tokenizer, "backend_tokenizer", None)
+    return {i for i, added in rust.get_added_tokens_decoder().items() if added.special} if rust is not None else set()
 
 
 def _utf8(data: bytes) -> str | None:

@@ -192,6 +192,24 @@ def test_the_default_tokenizer_spells_a_match_and_nothing_that_leaves_it(default
         token_rules(tokenizer, SamplingParams(guided_regex="a", allowed_token_ids=(5, 6)), {2})
 
 
+def test_without_the_detokenizer_table_the_guide_still_reads_byte_level_pieces(default_model_dir, monkeypatch):
+    """Where the detokenizer's byte table is refused (another tokenizers version decoded some id differently:
+    session 38's GPU, whose guide found no token for a space and ended a phone number at "(228)"), the guide
+    reads the vocabulary through GPT-2's byte alphabet: the same texts, never "Ġ" for a space."""
+    from transformers import AutoTokenizer
+
+    from medusa.decoding import byte_level
+    from medusa.decoding.token_guide import token_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    with_table = token_texts(tokenizer)
+    monkeypatch.setattr(byte_level, "byte_table", lambda *a, **k: None)
+    without = token_texts(tokenizer)
+    space = tokenizer.encode("(228) 9", add_special_tokens=False)[5]
+    assert without[space] == " " and without == with_table
+    assert not any(text and "Ġ" in text for text in without)
+
+
 @pytest.mark.slow
 def test_the_default_model_answers_in_the_pattern_with_medusa_as_without(default_model_dir):
     from medusa.medusa_model import MedusaModel
