@@ -18,7 +18,8 @@ With overlap (`EngineConfig.overlap`, on with CUDA graphs) a step is launched be
 one is read back, and an admission waits for nothing either: a request's first token is
 decided on the device (argmax, or a draw for a sampled one), where the next step's tree starts from it,
 and reaches the host with the next step (`_FirstTokens`); only an admission with host work (a guide or bad
-words) reads it at once. With `apply_interval=k` the steps read back gather until k have,
+words) reads it at once. A step with such rows is launched in two: its first half, then the previous step
+read back and applied, then their verdicts and the second half (`_launch`). With `apply_interval=k` the steps read back gather until k have,
 and each sequence's tokens of all of them are applied at once (`_apply_steps`): the host's counters then lag
 the device by up to k steps, which the blocks back as they back a step in flight.
 
@@ -302,15 +303,15 @@ class LLMEngine:
         prefills = [item for item in plan.scheduled if item.is_prefill]
         decodes = [item.seq for item in plan.scheduled if not item.is_prefill]
         tree = self._device_tree(plan.tree)
-        overlapped = bool(decodes) and self._can_overlap(decodes)
+        overlapped = bool(decodes) and self._can_overlap(decodes, tree)
         if not overlapped:  # this step needs every token on the host first
             outputs += self._catch_up(set(decodes), tree.num_nodes)
             decodes = [seq for seq in decodes if not seq.is_finished]  # finished by a token just read back
         prefills, batch, prompts, hidden = self._prefill(prefills, decodes, tree)
         if overlapped:  # launch, then read the previous step back while the device runs this one
-            launched = self._launch(decodes, tree, timed=not prefills, prompts=prompts)
+            launched, caught = self._launch(decodes, tree, timed=not prefills, prompts=prompts)
             hidden = launched.prompt_hidden if prompts is not None else hidden
-            outputs += self._catch_up(set(decodes), tree.num_nodes, apply_all=False)
+            outputs += caught + self._catch_up(set(decodes), tree.num_nodes, apply_all=False)
             self._inflight = launched
         elif decodes:
             decoded, carried = self._decode(decodes, tree, timed=not prefills, prompts=prompts)
@@ -365,29 +366,42 @@ class LLMEngine:
 
     @staticmethod
     def _forced(request: EngineRequest, lookup: int) -> tuple[int, ...]:
-        """A guided row's forced text in tokens, for its lookup chain (its steps are never overlapped, so the
-        host has its output up to the pending root)."""
+        """A guided row's forced text in tokens, for its lookup chain (its steps with one are never overlapped,
+        `_can_overlap`, so the host has its output up to the pending root)."""
         guide = request.rules.guide
         return guide.forced_after(request.seq.output_token_ids, lookup) if guide is not None else ()
 
-    def _can_overlap(self, seqs: list[Sequence]) -> bool:
-        """A step whose rows the device decides alone: nothing the host must see first. The device
-        knows each row's committed length, so the next step's tree goes in place before the host does."""
-        return self.overlap and not any(self._needs_host(self.requests[seq.request_id]) for seq in seqs)
+    def _can_overlap(self, seqs: list[Sequence], tree: DeviceTree) -> bool:
+        """A step launched before the previous one is read back. The device knows each row's committed length,
+        so the next step's tree goes in place before the host does; rows the host decides wait for it inside
+        the step (`_launch`). Not a tree with a lookup chain and guided rows: their forced text (`_forced`)
+        is laid before the step runs, from an output the host must know whole."""
+        if not self.overlap:
+            return False
+        return not tree.num_lookup or not any(self.requests[seq.request_id].rules.guide is not None for seq in seqs)
 
     def _launch(self, seqs: list[Sequence], tree: DeviceTree, timed: bool = True,
-                prompts: PromptSegment | None = None) -> _InFlight:
+                prompts: PromptSegment | None = None) -> tuple[_InFlight, list[RequestOutput]]:
         """Queue a decode step (carrying `prompts`, if given); until it is read back, each sequence may be up
         to depth + 1 tokens further along than its counters say (`num_inflight_tokens`), and the scheduler
-        backs that with blocks."""
+        backs that with blocks. -> (the step in flight, outputs of the steps read back meanwhile).
+
+        Rows the host decides (guides, bad words) need every earlier token on the host: part 1 is queued, then
+        the steps before it are read back and applied while it runs, then their targets are made and part 2
+        queued, so the host's bookkeeping of every row still overlaps the device."""
         step = self.runner.decode
         requests, padded, propose, part1 = self._forward(seqs, tree, prompts)
+        timed = timed and self._inflight is not None
+        host, caught = self._host_rows(requests), []
+        if host:
+            caught = self._catch_up(set(seqs), tree.num_nodes)
+            self._verify_on_host(requests, tree, part1, host)
         packed, result = step.finish_to_host(tree, padded, len(seqs))
         most = tree.spec.max_depth + 1
         for seq in seqs:
             seq.num_inflight_tokens += most
-        return _InFlight(requests, tree, padded, propose, result, timed and self._inflight is not None,
-                         part1.prompt_hidden, logprobs=self._queue_logprobs(requests, tree, part1, packed))
+        return _InFlight(requests, tree, padded, propose, result, timed, part1.prompt_hidden,
+                         logprobs=self._queue_logprobs(requests, tree, part1, packed)), caught
 
     def _forward(self, seqs: list[Sequence], tree: DeviceTree, prompts: PromptSegment | None):
         """Part 1 of a decode step for `seqs` -> (their requests, padded batch, whether it proposes, part 1)."""
@@ -595,7 +609,7 @@ class LLMEngine:
         alone (no prefill ran in this engine step), so the policy learns from it."""
         start = time.perf_counter()
         requests, padded, propose, part1 = self._forward(seqs, tree, prompts)
-        self._verify_on_host(requests, tree, part1)
+        self._verify_on_host(requests, tree, part1, self._host_rows(requests))
         packed = self.runner.decode.finish(tree, padded)[: len(seqs)]
         logprobs = self._queue_logprobs(requests, tree, part1, packed)
         packed = packed.tolist()  # the step's one device-to-host copy (and its logprobs', where asked)
@@ -690,13 +704,19 @@ class LLMEngine:
         if bests and spec.num_nodes > 1:
             self.policy.observe_subtrees(spec, np.asarray(bests, dtype=np.int64))
 
-    def _verify_on_host(self, requests: list[EngineRequest], tree: DeviceTree, part1) -> None:
-        """Verdicts for rows the device rules cannot decide (guides, bad words): each such row's node
+    def _host_rows(self, requests: list[EngineRequest]) -> list[int]:
+        """The rows of a step's requests whose verdicts are the host's, as the step was prepared (a row under a
+        min_tokens ban the device cannot hold stays the host's for the step, whatever the host learns meanwhile:
+        its sampling settings did not go up)."""
+        return [i for i, request in enumerate(requests) if self._needs_host(request)]
+
+    def _verify_on_host(self, requests: list[EngineRequest], tree: DeviceTree, part1, host: list[int]) -> None:
+        """Verdicts for rows `host` the device rules cannot decide (guides, bad words): each such row's node
         targets from its own changed logits (the argmax, or its sampler's draw), then one batched verdict for
         them all on the device, over the device's own. Rows whose changes can be made together (`batchable`)
         are, HOST_CHUNK_ROWS at a time. Nothing is read back here but a guided chunk's candidates: the
-        step's packed copy carries these verdicts with the others."""
-        host = [i for i, request in enumerate(requests) if self._needs_host(request)]
+        step's packed copy carries these verdicts with the others. The host knows each row's output up to
+        the step's root."""
         if not host:
             return
         n = tree.num_nodes

@@ -433,7 +433,8 @@ def test_graph_engine_penalized_and_min_tokens_rows_overlap_and_write_the_hosts_
     engine.runner.decode.override = lambda *a: pytest.fail("a row took the host's verdict")
     launched = count_launches(engine)
     device = engine.generate(prompts, params)
-    host_engine = model.engine()
+    host_engine = LLMEngine(model.base, model.heads, model.engine_config(), model.tokenizer,
+                            sorted(model.eos_token_ids))  # model.engine() is the one above, cached
     host_engine._needs_host = lambda r: r.params.has_penalties or r.seq.num_output_tokens < r.eos_banned_until
     host = host_engine.generate(prompts, params)
     assert [o.token_ids for o in device] == [o.token_ids for o in host]
