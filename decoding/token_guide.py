@@ -17,6 +17,7 @@ under a guide: characters a tokenizer splits across tokens cannot be written.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Sequence
 
@@ -135,6 +136,9 @@ class RegexGuide:
                     mask = torch.from_numpy(self._moves(state) != DEAD)
                 if state == DEAD or self.dfa.accepts(state):
                     mask[list(self.ends)] = True
+                elif not mask.any():  # the text must go on, but no token spells a way: say so, once a state
+                    warnings.warn(f"guide {self.dfa.pattern[:60]!r}: no token of the vocabulary continues the text "
+                                  f"at its state {state}; a row there ends without a match", stacklevel=2)
                 self._masks[state, torch.device("cpu")] = mask
             mask = self._masks[state, torch.device("cpu")]  # a GPU's copy from page-locked memory waits for no step
             self._masks[state, device] = mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" \

@@ -5,6 +5,7 @@ import functools
 import itertools
 import random
 import re
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -208,6 +209,19 @@ def test_without_the_detokenizer_table_the_guide_still_reads_byte_level_pieces(d
     space = tokenizer.encode("(228) 9", add_special_tokens=False)[5]
     assert without[space] == " " and without == with_table
     assert not any(text and "Ġ" in text for text in without)
+
+
+def test_a_state_no_token_continues_is_reported():
+    """A vocabulary that cannot spell the pattern's next character (here a space) leaves a row nothing but to
+    end without a match: the guide warns, once, instead of failing quietly."""
+    guide = RegexGuide(compile_regex("ab c"), VocabTrie(["a", "b", "c", None]), [3])
+    state = guide.dfa.walk(guide.start, "ab")
+    with pytest.warns(UserWarning, match="no token of the vocabulary continues the text"):
+        assert not guide.allowed(state).any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guide.allowed(state)  # kept: no second warning
+        assert guide.allowed(guide.start)[0]
 
 
 @pytest.mark.slow
