@@ -1,7 +1,7 @@
 """The batched decoding step: propose -> forward the trees -> verify -> compact KV -> next proposals.
 
 All of it runs on the device from static buffers, in two parts so that rows
-needing host logic (guides, logit bias, bad words) can be decided between
+needing host logic (guides, bad words) can be decided between
 them:
 
     part 1  each row's tree placed at its committed length (positions, KV slots, lengths),
