@@ -67,8 +67,7 @@ def _build_table(rust: Any, skip_special: bool = True) -> list[bytes] | None:
         return None
     size = max(rust.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     special = {i for i, added in rust.get_added_tokens_decoder().items() if added.special} if skip_special else ()
-    byte_of = _byte_of_char()
-    table = [b"" if i in special else _token_bytes(rust.id_to_token(i), byte_of) for i in range(size)]
+    table = [b"" if i in special else piece_bytes(rust.id_to_token(i)) for i in range(size)]
     alone = rust.decode_batch([[i] for i in range(size)], skip_special_tokens=skip_special)
     if any(text != data.decode("utf-8", "replace") for text, data in zip(alone, table)):
         return None

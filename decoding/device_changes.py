@@ -49,6 +49,13 @@ class RowChanges:
     def penalized(self) -> bool:
         return self.frequency != 0 or self.presence != 0 or self.repetition != 1
 
+    @staticmethod
+    def kind(changes: Sequence[RowChanges | None]) -> int:
+        """What rows with these changes change together: UNCHANGED, CHANGED or REPEATED."""
+        if not any(changes):
+            return UNCHANGED
+        return REPEATED if any(r is not None and r.repetition != 1 for r in changes) else CHANGED
+
     def settings(self) -> list[float]:
         """Its row of settings (SETTINGS floats; token ids below 2^24 are exact in float32)."""
         banned = (list(self.banned) * MAX_BANNED)[:MAX_BANNED] if self.banned else [0] * MAX_BANNED
@@ -133,8 +140,9 @@ class DeviceChanges:
     def prepare(self, changes: Sequence[RowChanges | None], padded: int) -> int:
         """Upload the step's settings (padding and unchanged rows: none) -> what the step changes (UNCHANGED,
         CHANGED, REPEATED)."""
-        if not any(changes):
-            return UNCHANGED
+        kind = RowChanges.kind(changes)
+        if kind == UNCHANGED:
+            return kind
         if any(r is not None and r.penalized for r in changes) and self.counts is None:
             raise RuntimeError("a penalized row's counts were never set (DeviceChanges.set_rows at its admission)")
         host = self._host[:padded]  # the caller has waited for its last upload (`DecodeStep.prepare`)
@@ -143,7 +151,7 @@ class DeviceChanges:
             if r is not None:
                 host[i] = r.settings()
         upload(self.settings, host)
-        return REPEATED if any(r is not None and r.repetition != 1 for r in changes) else CHANGED
+        return kind
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor, tree: DeviceTree, candidates: torch.Tensor,
               window: torch.Tensor, kind: int = REPEATED) -> torch.Tensor:
@@ -161,7 +169,7 @@ class DeviceChanges:
                              self.device)
         at = to_device(list(rows), torch.long, self.device)
         window = torch.zeros(len(rows), dtype=torch.long, device=self.device)
-        repeats = any(r is not None and r.repetition != 1 for r in changes)
+        repeats = RowChanges.kind(changes) == REPEATED
         return self._change(logits[:, None], settings, at, None, None, window, repeats)[:, 0]
 
     def _change(self, logits: torch.Tensor, settings: torch.Tensor, rows: torch.Tensor, tree: DeviceTree | None,

@@ -553,8 +553,8 @@ class LLMEngine:
         """Admitted rows whose logits the device changes, before their first token: a penalized row's counts
         of its outputs before the root (`DecodeStep.add_roots` adds the root once in place) and the prompt
         tokens a repetition penalty counts; a biased row's bias."""
-        requests = [r for r, _ in ready if not self._needs_host(r) and (
-            r.params.has_count_penalties or r.params.logit_bias or r.params.allowed_token_ids is not None)]
+        requests = [r for r, _ in ready if (r.params.has_count_penalties or r.params.has_bias)
+                    and not self._needs_host(r)]
         if not requests:
             return
         counted = [self._device_counts(r) for r in requests]
@@ -781,16 +781,15 @@ class LLMEngine:
     def _row_changes(self, request: EngineRequest) -> RowChanges | None:
         """The bias, count penalties and min_tokens ban the device makes for a row the host does not decide
         (None: none). The ban's bound counts from the host's output count, as the device's root window does."""
-        if self._needs_host(request):
+        if not request.device_changes or self._needs_host(request):  # most rows: one attribute read
             return None
         params = request.params
         ban_left = request.eos_banned_until - request.seq.num_output_tokens - request.first_pending
         banned = tuple(sorted(request.stop_ids)) if ban_left > 0 else ()
-        biased = bool(params.logit_bias) or params.allowed_token_ids is not None
-        if not (params.has_count_penalties or banned or biased):
+        if not (params.has_count_penalties or banned or params.has_bias):
             return None
         return RowChanges(params.frequency_penalty, params.presence_penalty, params.repetition_penalty,
-                          ban_left, banned, biased)
+                          ban_left, banned, params.has_bias)
 
     def _row_sampling(self, request: EngineRequest, tree: DeviceTree | None) -> RowSampling | None:
         """Device-side sampling settings for a sampling row the host does not handle; None otherwise.

@@ -40,6 +40,8 @@ class EngineRequest:
     quiet: bool = False  # step() reports it only when it finishes (LLMEngine.generate's requests)
     host_always: bool = field(init=False)  # logit changes the host makes (guides, bias...): every verdict is its
     eos_banned_until: int = field(init=False)  # output tokens before which EOS is banned (min_tokens)
+    device_changes: bool = field(init=False)  # bias, count penalties or min_tokens: `device_changes.py` (unless
+    # the host decides the row: `LLMEngine._needs_host`)
     first_pending: bool = False  # its first output token was drawn on the device and is not read back yet
     # with params.prompt_logprobs: None for the first prompt token, then each next one's, as prefill reaches it
     prompt_logprobs: list[TokenLogprob | None] | None = field(init=False)
@@ -49,6 +51,7 @@ class EngineRequest:
         self.sampling = params.sampling()
         self.host_always = params.has_host_changes
         self.eos_banned_until = 0 if params.ignore_eos else params.min_tokens
+        self.device_changes = params.has_count_penalties or params.has_bias or self.eos_banned_until > 0
         self.prompt_logprobs = None if params.prompt_logprobs is None else [None]
 
     @property
@@ -57,7 +60,7 @@ class EngineRequest:
         `logits_processing.batch_changes` makes for many rows at once (bias, allowed tokens, bad words and
         choices are made row by row)."""
         params = self.params
-        return not (params.logit_bias or params.allowed_token_ids is not None or params.bad_words
+        return not (params.has_bias or params.bad_words
                     or params.guided_choice)
 
 

@@ -171,10 +171,9 @@ def apply_count_penalties(logits: torch.Tensor, counts: torch.Tensor, frequency:
         return out
     # cell (g, n, j): token t = candidates[g, j] at node n, counted `extra` more times on n's path below the
     # root (all j sharing a token write the same value, so the scatter is deterministic)
-    on_path = tree.mask.clone()
-    on_path[:, 0] = False  # the root is in the output already
-    same = candidates[:, :, None] == candidates[:, None, :]  # [G, N(j), N(k)]
-    extra = torch.einsum("nk,gjk->gnj", on_path.float(), same.float())  # [G, N(n), N(j)]
+    # over k >= 1, node n's ancestors-or-self below the root (the root is in the output already)
+    same = candidates[:, :, None] == candidates[:, None, 1:]  # [G, N(j), N - 1(k)]
+    extra = torch.einsum("nk,gjk->gnj", tree.mask[:, 1:].float(), same.float())  # [G, N(n), N(j)]
     columns = candidates[:, None, :].expand(rows, nodes, nodes)  # [G, N, N]
     cell_counts = counts.expand(rows, nodes, vocab).gather(2, columns) + extra
     cell_seen = None if seen is None else seen.expand(rows, nodes, vocab).gather(2, columns) | (extra > 0)

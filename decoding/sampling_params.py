@@ -186,8 +186,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         """Whether any logit change (bias, allowed tokens, bad words, a guide or a penalty) applies."""
-        return (self.has_count_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
-                or bool(self.bad_words) or bool(self.guides))
+        return self.has_count_penalties or self.has_bias or bool(self.bad_words) or bool(self.guides)
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether logit_bias or allowed_token_ids applies (a fixed change per token)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def has_host_changes(self) -> bool:
