@@ -8,7 +8,7 @@ by every step's emitted tokens, `record`), and so does how far a node is from th
 output count is uploaded with the step; the tokens of steps in flight are the row's root window). Rows the
 host still decides (guides, bad words, guided choices) keep doing so (`engine._needs_host`).
 
-The host's order and arithmetic (`logits_processing.penalize`, `apply_count_penalties`), so both paths choose
+The host's order and arithmetic (`logits_processing.penalize`, `kernels.row_changes`), so both paths choose
 the same tokens; rows without changes keep their logits exactly (no bias, zero penalties, repetition 1, no
 ban), so a step changes the logits of all its rows at once, with no per-row selection.
 """
@@ -22,7 +22,8 @@ import torch
 
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.host_buffers import host_buffer, to_device, upload
-from medusa.decoding.logits_processing import apply_count_penalties
+from medusa.decoding.logits_processing import path_columns, penalize_path_cells
+from medusa.kernels.row_changes import change_rows
 
 MAX_BANNED = 8  # end tokens a row's min_tokens ban holds on the device; a request with more is the host's
 FREQUENCY, PRESENCE, REPETITION, BAN_LEFT, BIASED, BANNED = range(6)  # a row's settings (banned: the rest)
@@ -176,22 +177,31 @@ class DeviceChanges:
                 candidates: torch.Tensor | None, window: torch.Tensor, repeats: bool) -> torch.Tensor:
         """logits [G, N, V] at `tree`'s nodes (None: N = 1, the root) -> the host's changes in its order
         (`penalize`): bias, then count penalties, then the min_tokens ban. repeats=False: no row has a
-        repetition penalty."""
-        changed = logits.float()
-        if self.bias is not None:
-            biased = settings[:, BIASED, None] > 0  # [G, 1]: other rows' bias rows may be stale
-            changed = changed + torch.where(biased, self.bias[rows], 0.0)[:, None]  # x + 0 is x
-        if self.counts is not None:  # rows with zero penalties keep their logits exactly
-            repetition, seen = (settings[:, REPETITION], self.prompt_seen[rows][:, None]) if repeats else (None, None)
-            changed = apply_count_penalties(changed, self.counts[rows][:, None], settings[:, FREQUENCY],
-                                            settings[:, PRESENCE], repetition, seen, tree, candidates)
-        elif changed is logits:
-            changed = changed.clone()  # the ban below writes in place; the raw logits are kept
+        repetition penalty. Each row's bias and counts in one pass (`kernels.row_changes`), then the cells of
+        the tree's own tokens again with each node's path counted, then the ban."""
+        changed = change_rows(logits, rows, self.bias, self.counts, self.prompt_seen, settings[:, FREQUENCY],
+                              settings[:, PRESENCE], settings[:, REPETITION], settings[:, BIASED], repeats)
+        if self.counts is not None and tree is not None and logits.shape[1] > 1:
+            changed = self._penalize_paths(changed, logits, settings, rows, tree, candidates, repeats)
         depths = tree.depths if tree is not None else torch.zeros(1, dtype=torch.long, device=logits.device)
         early = (window[:, None] + depths[None]) < settings[:, BAN_LEFT, None]  # [G, N]
         columns = settings[:, None, BANNED:].long().expand(-1, changed.shape[1], -1)  # [G, N, E]
         ends = changed.gather(2, columns).masked_fill(early[..., None], float("-inf"))
         return changed.scatter_(2, columns, ends)
+
+    def _penalize_paths(self, changed: torch.Tensor, logits: torch.Tensor, settings: torch.Tensor,
+                        rows: torch.Tensor, tree: DeviceTree, candidates: torch.Tensor, repeats: bool) -> torch.Tensor:
+        """`penalize_path_cells` on the device's tables: only the [G, N, N] cells of the tree's tokens are read."""
+        columns = path_columns(candidates)  # [G, N, N]
+        at = rows[:, None, None]
+        cell_logits = logits.gather(2, columns).float()
+        if self.bias is not None:  # as the row pass adds it: x + 0 where a row is not biased
+            cell_logits = cell_logits + torch.where(settings[:, BIASED, None, None] > 0, self.bias[at, columns], 0.0)
+        cell_counts = self.counts[at, columns]
+        cell_seen = (cell_counts > 0) | self.prompt_seen[at, columns] if repeats else None
+        return penalize_path_cells(changed, cell_logits, cell_counts, cell_seen, settings[:, FREQUENCY],
+                                   settings[:, PRESENCE], settings[:, REPETITION] if repeats else None, tree,
+                                   candidates)
 
     def record(self, rows: torch.Tensor, packed: torch.Tensor) -> None:
         """After a step: each row's emitted tokens (packed [Bp, D + 3]: count, D + 1 tokens, best) join its

@@ -19,6 +19,7 @@ from medusa.decoding.host_buffers import to_device
 from medusa.decoding.outputs import TokenLogprob
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.token_guide import GuideProgress, RegexGuide
+from medusa.kernels.row_changes import count_penalized
 
 
 def suppress_eos(params: SamplingParams, produced: int, banned: Sequence[int], logits: torch.Tensor,
@@ -151,45 +152,47 @@ def count_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], outp
 def apply_count_penalties(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
                           repetition: torch.Tensor | None, prompt_seen: torch.Tensor | None, tree: DeviceTree | None,
                           candidates: torch.Tensor | None) -> torch.Tensor:
-    """The penalties' arithmetic, shared by the host's rows (`count_penalties`) and the device's
-    (`device_changes.py`), so both give the same bits: logits [G, N, V]; counts [G, 1, V] of each row's output
+    """The host's rows' penalties (`count_penalties`): logits [G, N, V]; counts [G, 1, V] of each row's output
     (ending with the root); frequency, presence [G]; repetition [G] or None (all 1); prompt_seen [G, 1, V] bool
     or None (no prompt token counts) -> float32 logits, each node's counts with its own path below the root
     added (candidates [G, N]). A row of zero penalties (and repetition 1) keeps its logits exactly.
 
     Every node is penalized by its row's counts ([G, 1, V], broadcast: three passes over [G, N, V]); then
-    the cells of the tokens on the tree, [G, N, N] of them, are computed again with the node's own counts
-    there (a token on the node's path counts once more per occurrence). Materializing per-node counts
-    [G, N, V] instead cost a dozen passes: on a GPU, with every row of a step changed at once, ~0.6 ms at
-    64 rows of a 16-node tree."""
-    rows, nodes, vocab = logits.shape
+    the cells of the tree's own tokens, [G, N, N] of them, are computed again with the node's own counts
+    there (`penalize_path_cells`). Materializing per-node counts [G, N, V] instead cost a dozen passes."""
     seen = None
     if repetition is not None:
         seen = counts > 0 if prompt_seen is None else (counts > 0) | prompt_seen  # [G, 1, V]
-    out = _penalized(logits.float(), counts, seen, frequency, presence, repetition)
-    if candidates is None or nodes == 1:
+    out = count_penalized(logits.float(), counts, seen, frequency, presence, repetition)
+    if candidates is None or logits.shape[1] == 1:
         return out
-    # cell (g, n, j): token t = candidates[g, j] at node n, counted `extra` more times on n's path below the
-    # root (all j sharing a token write the same value, so the scatter is deterministic)
-    # over k >= 1, node n's ancestors-or-self below the root (the root is in the output already)
+    columns = path_columns(candidates)
+    cell_counts = counts.expand_as(logits).gather(2, columns)
+    cell_seen = None if seen is None else seen.expand_as(logits).gather(2, columns)
+    return penalize_path_cells(out, logits.float().gather(2, columns), cell_counts, cell_seen, frequency,
+                               presence, repetition, tree, candidates)
+
+
+def path_columns(candidates: torch.Tensor) -> torch.Tensor:
+    """candidates [G, N] -> [G, N, N] long: cell (g, n, j) is the column of token candidates[g, j] at node n."""
+    rows, nodes = candidates.shape
+    return candidates[:, None, :].expand(rows, nodes, nodes)
+
+
+def penalize_path_cells(out: torch.Tensor, cell_logits: torch.Tensor, cell_counts: torch.Tensor,
+                        cell_seen: torch.Tensor | None, frequency: torch.Tensor, presence: torch.Tensor,
+                        repetition: torch.Tensor | None, tree: DeviceTree, candidates: torch.Tensor) -> torch.Tensor:
+    """out [G, N, V] penalized by each row's counts alone -> out (in place) with the `path_columns` cells
+    penalized again from their unpenalized values (cell_logits float32 [G, N, N]) with node n's own path
+    below the root counted: cell_counts [G, N, N] the row's counts there, cell_seen bool or None (no
+    repetition penalty). A token on a node's path counts once more per occurrence; all cells of one node
+    sharing a token write the same value, so the scatter is deterministic."""
     same = candidates[:, :, None] == candidates[:, None, 1:]  # [G, N(j), N - 1(k)]
+    # over k >= 1, node n's ancestors-or-self below the root (the root is in the output already)
     extra = torch.einsum("nk,gjk->gnj", tree.mask[:, 1:].float(), same.float())  # [G, N(n), N(j)]
-    columns = candidates[:, None, :].expand(rows, nodes, nodes)  # [G, N, N]
-    cell_counts = counts.expand(rows, nodes, vocab).gather(2, columns) + extra
-    cell_seen = None if seen is None else seen.expand(rows, nodes, vocab).gather(2, columns) | (extra > 0)
-    cells = _penalized(logits.float().gather(2, columns), cell_counts, cell_seen, frequency, presence, repetition)
-    return out.scatter_(2, columns, cells)
-
-
-def _penalized(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor | None, frequency: torch.Tensor,
-               presence: torch.Tensor, repetition: torch.Tensor | None) -> torch.Tensor:
-    """[G, ...] float32 logits with counts and seen (None: no repetition penalty) broadcast to them: the
-    repetition penalty on seen tokens, then frequency * count and presence where counted (vLLM's order)."""
-    shape = (-1,) + (1,) * (logits.dim() - 1)
-    if seen is not None:
-        penalty = repetition.view(shape)
-        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    return logits - frequency.view(shape) * counts - presence.view(shape) * (counts > 0).float()
+    seen = None if cell_seen is None else cell_seen | (extra > 0)
+    cells = count_penalized(cell_logits, cell_counts + extra, seen, frequency, presence, repetition)
+    return out.scatter_(2, path_columns(candidates), cells)
 
 
 def _node_texts(output_ids: Sequence[int], tree: DeviceTree | None, candidates: torch.Tensor | None,

@@ -45,7 +45,19 @@ def set_rows(changes, rows, params, outputs, prompts):
                      [p.logit_bias or None for p in params], [p.allowed_token_ids for p in params])
 
 
-def test_device_changes_equal_the_hosts_row_by_row_and_follow_the_emitted_tokens():
+@pytest.fixture(params=["reference", "kernel"])
+def row_pass(request, monkeypatch):
+    """The rows' pass (`kernels.row_changes`) by its PyTorch reference, or by the Triton kernel (the interpreter on
+    a CPU), which a GPU runs."""
+    if request.param == "kernel":
+        pytest.importorskip("triton")
+        import medusa.kernels.row_changes as row_changes
+
+        monkeypatch.setattr(row_changes, "use_triton", lambda x, *rest: True)
+    return request.param
+
+
+def test_device_changes_equal_the_hosts_row_by_row_and_follow_the_emitted_tokens(row_pass):
     """Rows in permuted state rows, some in flight (their window: tokens the host has not counted yet), on a
     tree with a lookup chain; then a step's emitted tokens recorded, and the next logits again equal."""
     tree = DeviceTree.from_spec(TreeSpec.load("tree-16").with_lookup(3), torch.device("cpu"))
@@ -83,7 +95,7 @@ def test_device_changes_equal_the_hosts_row_by_row_and_follow_the_emitted_tokens
         outputs = [o + tokens[g, : counts[g]].tolist() for g, o in enumerate(outputs)]
 
 
-def test_first_token_changes_equal_the_hosts():
+def test_first_token_changes_equal_the_hosts(row_pass):
     """An admission's first token (no output yet): bias, allowed tokens, the repetition penalty's prompt tokens
     and the min_tokens ban, as the host's `_first_token` makes them; rows in a table with other rows' bias."""
     gen = torch.Generator().manual_seed(1)
