@@ -91,3 +91,13 @@ def test_bad_inputs_name_the_problem():
         change_rows(logits, rows, bias[:, :100], counts, seen, *settings, True)
     with pytest.raises(ValueError, match="frequency, presence, repetition and biased"):
         change_rows(logits, rows, bias, counts, seen, settings[0].double(), *settings[1:], True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("repeats", [False, True])
+def test_kernel_at_a_steps_full_size_on_the_gpu(repeats):
+    """32 rows of a 20-node tree over SmolLM2's 49,152 logits in bfloat16, as the engine's step changes them."""
+    logits, rows, bias, counts, seen, settings = inputs(6, 32, 20, 49152, torch.bfloat16)
+    with torch.inference_mode():  # where the kernel runs
+        got = change_rows(logits, rows, bias, counts, seen, *settings, repeats)
+    assert torch.equal(got, change_rows_reference(logits, rows, bias, counts, seen, *settings, repeats))
