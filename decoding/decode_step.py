@@ -171,9 +171,10 @@ class DecodeStep:
         # [B, M + D + 1 ...] from the host's output count on; a row's step picks its window at the device's
         # count, up to `steps_ahead` steps (each up to a tree's depth + 1 tokens) past the host's
         self.uniforms = torch.zeros(max_seqs, (steps_ahead + 1) * max_tree, dtype=torch.float64, device=self.device)
-        # guided rows' forced tokens (`RegexGuide.forced_tokens`), laid on the lookup chain in place of its n-gram
-        # proposals: [B, L] and [B] (0: the row keeps its proposals)
-        self.forced = torch.zeros(max_seqs, max(max_lookup, 1), **long)
+        # guided rows' forced tokens (`RegexGuide.forced_tokens`) after the host's output, laid on the lookup chain
+        # in place of its n-gram proposals from the tokens the steps in flight emitted on: [B, L + max_tree] (a
+        # step emits at most a tree's depth + 1) and [B] (0: the row keeps its proposals)
+        self.forced = torch.zeros(max_seqs, max(max_lookup, 1) + max_tree, **long)
         self.forced_len = torch.zeros(max_seqs, **long)
         self.forced_step = False  # whether the prepared step lays forced tokens (graphs of their own)
         # bias, count penalties and min_tokens bans the device makes alone (`device_changes.py`)
@@ -268,7 +269,8 @@ class DecodeStep:
         next step should then not speculate (it would stay correct, but accept little).
         prompts: uploaded prompt chunks to run in the same forward (their hidden states come back
         in `_Part1.prompt_hidden`); each (padded batch, tree, prompt bucket) is a graph of its own.
-        forced: per row, tokens to lay on the tree's lookup chain instead of its n-gram proposals (guided rows).
+        forced: per row, the tokens its guide forces after the host's output (guided rows): the lookup chain
+        takes them from where the steps in flight end, in place of its n-gram proposals (`_forced_chain`).
         changes: per row, the bias, count penalties and min_tokens ban the device applies (None: none).
         """
         self.propose_step, self.prompts = propose, prompts
@@ -314,9 +316,10 @@ class DecodeStep:
         self.forced_step = lookup > 0 and any(forced)
         if not self.forced_step:
             return
-        tokens, lengths = np.zeros((padded, self.forced.shape[1]), dtype=np.int64), np.zeros(padded, dtype=np.int64)
+        width = self.forced.shape[1]
+        tokens, lengths = np.zeros((padded, width), dtype=np.int64), np.zeros(padded, dtype=np.int64)
         for i, chain in enumerate(forced):
-            chain = chain[:lookup]
+            chain = chain[:width]
             tokens[i, : len(chain)], lengths[i] = chain, len(chain)
         upload(self.forced, tokens)
         upload(self.forced_len, lengths)
@@ -445,9 +448,7 @@ class DecodeStep:
                                      self.slots[: padded * n], self.kv_lens[:padded])
         lookup = ngram_lookup(self.history, self.history_len, rows, tree.num_lookup) if tree.num_lookup else None
         if lookup is not None and self.forced_step:  # guided rows: the text their guide forces, spelled in tokens
-            chain = torch.arange(tree.num_lookup, device=self.device)[None]  # [1, L]
-            forced = self.forced[:padded, : tree.num_lookup]
-            lookup = torch.where(chain < self.forced_len[:padded, None], forced, lookup)
+            lookup = self._forced_chain(lookup, rows, base - self.known_base[:padded])
         # root, heads' proposals (their top-k [R, K, kmax] from the last step) and lookup chain: [Bp, N]
         candidates = gather_candidates(tree, rows, self.roots, self.topk if self.kmax else None, lookup)
         meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
@@ -473,6 +474,22 @@ class DecodeStep:
             targets = torch.where(self.sampled[:padded, None], drawn, targets)
         verdict(tree, candidates, targets, self.best[:padded], self.next[:padded])
         return _Part1(candidates, hidden, logits, prompt_hidden, root_window)
+
+    def _forced_chain(self, lookup: torch.Tensor, rows: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """lookup [Bp, L] n-gram proposals; window [Bp] tokens the steps in flight emitted past the host's output
+        (the last `window` of each row's history) -> each guided row's chain: its forced tokens from `window` on,
+        where the emitted tokens are the forced ones (a guide allows nothing else, but a row may spell the
+        same text in other tokens: then it keeps its n-gram proposals, as past the forced text)."""
+        padded, lookup_len = lookup.shape
+        forced, width = self.forced[:padded], self.forced.shape[1]
+        ahead = torch.arange(width, device=self.device)[None]  # [1, W]
+        ends = self.history_len[rows][:, None]  # [Bp, 1]
+        at = (ends - window[:, None] + ahead).clamp(0, self.history.shape[1] - 1)
+        emitted = self.history[rows[:, None], at]  # [Bp, W]: the window's tokens in its first columns
+        agrees = ((emitted == forced) | (ahead >= window[:, None])).all(1, keepdim=True)  # [Bp, 1]
+        chain = window[:, None] + ahead[:, :lookup_len]  # [Bp, L] positions in the forced tokens
+        laid = agrees & (chain < self.forced_len[:padded, None])
+        return torch.where(laid, forced.gather(1, chain.clamp(max=width - 1)), lookup)
 
     def _uniforms_at(self, window: torch.Tensor) -> torch.Tensor:
         """window [Bp, W] columns of each row's uniforms (output positions from the host's count) -> [Bp, W]

@@ -364,21 +364,27 @@ class LLMEngine:
 
     # ---- overlapped steps -------------------------------------------------
 
-    @staticmethod
-    def _forced(request: EngineRequest, lookup: int) -> tuple[int, ...]:
-        """A guided row's forced text in tokens, for its lookup chain (its steps with one are never overlapped,
-        `_can_overlap`, so the host has its output up to the pending root)."""
+    def _forced(self, request: EngineRequest, lookup: int) -> tuple[int, ...]:
+        """A guided row's forced text in tokens after the output the host knows, for its lookup chain: enough
+        for the chain after the tokens the step in flight emits (`DecodeStep._forced_chain` starts it there)."""
         guide = request.rules.guide
-        return guide.forced_after(request.seq.output_token_ids, lookup) if guide is not None else ()
+        if guide is None:
+            return ()
+        ahead = self._inflight.tree.spec.max_depth + 1 if self._inflight is not None else 0
+        return guide.forced_after(request.seq.output_token_ids, lookup + ahead)
 
     def _can_overlap(self, seqs: list[Sequence], tree: DeviceTree) -> bool:
-        """A step launched before the previous one is read back. The device knows each row's committed length,
-        so the next step's tree goes in place before the host does; rows the host decides wait for it inside
-        the step (`_launch`). Not a tree with a lookup chain and guided rows: their forced text (`_forced`)
-        is laid before the step runs, from an output the host must know whole."""
+        """A step launched before the previous one is read back. The device knows each row's committed length
+        and tokens, so the tree goes in place before the host does; rows the host decides wait for it inside
+        the step (`_launch`). A guided row's forced text (`_forced`) is laid from where the step in flight
+        ends, as far as the host knows it: not while one's forced text ends within that step and the chain
+        after it (a choice of the guide's comes first), where a step that waits lays what follows the choice."""
         if not self.overlap:
             return False
-        return not tree.num_lookup or not any(self.requests[seq.request_id].rules.guide is not None for seq in seqs)
+        if not tree.num_lookup or self._inflight is None:
+            return True
+        reach = tree.num_lookup + self._inflight.tree.spec.max_depth + 1
+        return all(not 0 < len(self._forced(self.requests[seq.request_id], tree.num_lookup)) < reach for seq in seqs)
 
     def _launch(self, seqs: list[Sequence], tree: DeviceTree, timed: bool = True,
                 prompts: PromptSegment | None = None) -> tuple[_InFlight, list[RequestOutput]]:

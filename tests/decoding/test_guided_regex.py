@@ -268,6 +268,38 @@ def test_forced_tokens_on_the_lookup_chain_are_accepted_and_change_no_token(tiny
         assert sum(o.stats.accepted_from_lookup for o in forced) > sum(o.stats.accepted_from_lookup for o in free)
 
 
+def test_forced_text_past_the_step_in_flight_is_laid_by_overlapped_steps(tiny, monkeypatch):
+    """Forced runs longer than a step emits: a step launched before the previous one is read back lays the forced
+    tokens from where that step ends (the device checks the tokens it emitted are the forced ones), so guided
+    rows on a lookup tree overlap and still ride their forced text; the same tokens as without it."""
+    from medusa.decoding.engine import EngineConfig, LLMEngine
+
+    model, heads = tiny
+    spelled_by_tokens(monkeypatch)
+    pattern = r"aab01b1ba10ab(0|1)ba10b1aab01ab(a|b)b1ab10"
+    launched = []
+    launch = LLMEngine._launch
+    monkeypatch.setattr(LLMEngine, "_launch", lambda self, *a, **k: launched.append(1) or launch(self, *a, **k))
+
+    def run():
+        engine = LLMEngine(model, heads, EngineConfig(num_blocks=128, block_size=4, prompt_lookup=4))
+        engine.overlap = True
+        launched.clear()
+        outs = engine.generate(random_prompts(3, VOCAB, 12, seed=8), params)
+        return outs, len(launched)
+
+    params = SamplingParams(max_tokens=30, guided_regex=pattern, stop_token_ids=(END,))
+    forced, overlapped = run()
+    with monkeypatch.context() as patched:
+        patched.setattr(RegexGuide, "forced_tokens", lambda self, state, limit: ())
+        free, _ = run()
+    assert [o.token_ids for o in forced] == [o.token_ids for o in free]
+    assert all(re.fullmatch(pattern, "".join(TOKENS[t] for t in o.token_ids)) for o in forced)
+    assert overlapped >= max(o.stats.steps for o in forced) // 2  # half the steps or more overlap
+    assert sum(o.stats.accepted_from_lookup for o in forced) >= sum(o.stats.accepted_from_lookup for o in free) + 6
+    assert sum(o.stats.steps for o in forced) < sum(o.stats.steps for o in free)
+
+
 def test_a_model_vocabulary_padded_past_the_tokenizers_never_writes_the_padding():
     from medusa.decoding.logits_processing import penalize
 
@@ -332,3 +364,22 @@ def test_a_guide_that_drops_old_states_gives_the_same_moves(monkeypatch):
     for text, mask in zip(texts * 2, want * 2):
         assert torch.equal(dropping.allowed(dropping.dfa.walk(dropping.start, text)), mask), text
     assert len(dropping._next) <= 2
+
+
+def test_forced_chain_starts_where_the_step_in_flight_ends_and_only_on_its_forced_tokens():
+    """`DecodeStep._forced_chain` on hand-made buffers: row 0's step in flight emitted 2 tokens, the forced ones
+    (its chain: forced tokens 2..); row 1 emitted others (a spelling of its own: n-gram proposals kept); row 2
+    nothing in flight (forced tokens from the first; past them, proposals); row 3 no forced text."""
+    from types import SimpleNamespace
+
+    from medusa.decoding.decode_step import DecodeStep
+
+    history = torch.tensor([[9, 9, 5, 6, 0, 0, 0, 0], [9, 9, 5, 7, 0, 0, 0, 0], [9, 9, 9, 0, 0, 0, 0, 0],
+                            [9, 9, 9, 0, 0, 0, 0, 0]])
+    step = SimpleNamespace(device=torch.device("cpu"), history=history, history_len=torch.tensor([4, 4, 3, 3]),
+                           forced=torch.tensor([[5, 6, 1, 2, 3, 4], [5, 6, 1, 2, 3, 4], [1, 2, 0, 0, 0, 0],
+                                                [0, 0, 0, 0, 0, 0]]),
+                           forced_len=torch.tensor([6, 6, 2, 0]))
+    lookup = torch.full((4, 3), 8)
+    chain = DecodeStep._forced_chain(step, lookup, torch.arange(4), torch.tensor([2, 2, 0, 0]))
+    assert chain.tolist() == [[1, 2, 3], [8, 8, 8], [1, 2, 8], [8, 8, 8]]
