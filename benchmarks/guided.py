@@ -37,6 +37,9 @@ INSTRUCTION = ('\n\nAnswer with a JSON object: "answer" (your answer, a string) 
                '"high").')
 
 
+KINDS = {"guided": "guided", "unforced": "guided, no forced text", "free": "free"}  # --kinds -> row names
+
+
 def fits(text: str) -> bool:
     try:
         value = json.loads(text)
@@ -77,6 +80,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each level and mode; the fastest is kept")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: 2 levels of a few short requests")
+    parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS), help="requests to serve")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.quick
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
@@ -99,7 +103,7 @@ def main() -> None:
               "first_request": first_request_seconds(engines["medusa"], asks[0], guided), "rows": []}
     for concurrency in args.concurrency:
         level = asks[:2 * concurrency if args.quick else max(8 * concurrency, 32)]
-        for name, params in (("guided", guided), ("guided, no forced text", guided), ("free", free)):
+        for name, params in ((KINDS[k], free if k == "free" else guided) for k in args.kinds):
             # the faster of two runs each: a level's first Medusa run may capture graphs
             for mode, engine in engines.items():
                 engine.policy = copy.deepcopy(policies[mode])

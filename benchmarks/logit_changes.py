@@ -88,7 +88,8 @@ def main() -> None:
         spec = spec.with_lookup(args.lookup) if args.lookup and spec.num_nodes > 1 else spec
         for rows in args.rows:
             for repetition in (1.0, 1.2):
-                seconds = time_apply(rows, spec, args.vocab, repetition, device, args.repeats, dtype)
+                with torch.inference_mode():  # as the engine's step runs (Triton kernels serve inference only)
+                    seconds = time_apply(rows, spec, args.vocab, repetition, device, args.repeats, dtype)
                 row = {"tree": name, "nodes": spec.num_nodes, "rows": rows, "repetition": repetition != 1,
                        "ms": seconds * 1e3}
                 results.append(row)

@@ -58,9 +58,10 @@ class StallLog:
             return wrapped
 
         def decode_capture(original):  # DecodeStep._capture: a decode graph pair, named by its key
-            def wrapped(step, tree, padded, sampling, propose, prompts, kv_bound=None):
+            def wrapped(step, tree, padded, sampling, propose, prompts, *rest, **kwargs):
                 start = time.perf_counter()
-                out = original(step, tree, padded, sampling, propose, prompts, kv_bound=kv_bound)
+                out = original(step, tree, padded, sampling, propose, prompts, *rest, **kwargs)
+                kv_bound = rest[0] if rest else kwargs.get("kv_bound")  # the rest of the key passes through
                 log._note("decode_graph", decode_graph_name(tree.spec.label, padded, sampling, propose,
                                                             prompts.num_tokens if prompts else 0, kv_bound), start)
                 return out
