@@ -152,6 +152,10 @@ class DeviceChanges:
             if r is not None:
                 host[i] = r.settings()
         upload(self.settings, host)
+        if self.device.type == "cuda" and self.counts is not None:
+            # one kernel makes both at about the same cost (`kernels.row_changes`; a repetition of 1 changes
+            # nothing): one graph kind instead of two, which a server would otherwise capture mid-run
+            kind = REPEATED
         return kind
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor, tree: DeviceTree, candidates: torch.Tensor,
