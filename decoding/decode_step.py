@@ -446,11 +446,7 @@ class DecodeStep:
         base, positions = place_tree(self.row_base, rows, self.tables[:padded], tree.depths, self.cache.block_size,
                                      self.padding_row, self.scratch_slot, self.last_position,
                                      self.slots[: padded * n], self.kv_lens[:padded])
-        lookup = ngram_lookup(self.history, self.history_len, rows, tree.num_lookup) if tree.num_lookup else None
-        if lookup is not None and self.forced_step:  # guided rows: the text their guide forces, spelled in tokens
-            lookup = self._forced_chain(lookup, rows, base - self.known_base[:padded])
-        # root, heads' proposals (their top-k [R, K, kmax] from the last step) and lookup chain: [Bp, N]
-        candidates = gather_candidates(tree, rows, self.roots, self.topk if self.kmax else None, lookup)
+        candidates = self._candidates(tree, rows, base)
         meta = StepMetadata(slot_mapping=self.slots[: padded * n], block_tables=self.tables[:padded],
                             kv_lens=self.kv_lens[:padded], query_start=self.query_start[: padded + 1],
                             causal=self.causal[:padded], step_bits=tree.batch_bits(padded), max_query_len=n,
@@ -474,6 +470,21 @@ class DecodeStep:
             targets = torch.where(self.sampled[:padded, None], drawn, targets)
         verdict(tree, candidates, targets, self.best[:padded], self.next[:padded])
         return _Part1(candidates, hidden, logits, prompt_hidden, root_window)
+
+    def _candidates(self, tree: DeviceTree, rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """rows [Bp] state rows, base [Bp] their committed lengths -> [Bp, N]: each row's root, its heads'
+        proposals (their top-k [R, K, kmax] from the last step) and its lookup chain."""
+        lookup = ngram_lookup(self.history, self.history_len, rows, tree.num_lookup) if tree.num_lookup else None
+        if lookup is not None and self.forced_step:  # guided rows: the text their guide forces, spelled in tokens
+            lookup = self._forced_chain(lookup, rows, base - self.known_base[: rows.shape[0]])
+        return gather_candidates(tree, rows, self.roots, self.topk if self.kmax else None, lookup)
+
+    def candidates_to_host(self, tree: DeviceTree, padded: int) -> PendingCopy:
+        """The prepared step's candidates [Bp, N], made again ahead of part 1 from the same inputs (so the same
+        tokens) and queued for the host: rows the host decides walk their guides from them while part 1 runs,
+        where reading part 1's own would wait for its forward. Call between `prepare` and `forward`."""
+        rows = self.rows[:padded]
+        return copy_to_host(self._candidates(tree, rows, self.row_base[rows]))
 
     def _forced_chain(self, lookup: torch.Tensor, rows: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """lookup [Bp, L] n-gram proposals; window [Bp] tokens the steps in flight emitted past the host's output

@@ -396,12 +396,12 @@ class LLMEngine:
         the steps before it are read back and applied while it runs, then their targets are made and part 2
         queued, so the host's bookkeeping of every row still overlaps the device."""
         step = self.runner.decode
-        requests, padded, propose, part1 = self._forward(seqs, tree, prompts)
+        requests, padded, propose, part1, host, early = self._forward(seqs, tree, prompts)
         timed = timed and self._inflight is not None
-        host, caught = self._host_rows(requests), []
+        caught = []
         if host:
             caught = self._catch_up(set(seqs), tree.num_nodes)
-            self._verify_on_host(requests, tree, part1, host)
+            self._verify_on_host(requests, tree, part1, host, early)
         packed, result = step.finish_to_host(tree, padded, len(seqs))
         most = tree.spec.max_depth + 1
         for seq in seqs:
@@ -410,7 +410,9 @@ class LLMEngine:
                          logprobs=self._queue_logprobs(requests, tree, part1, packed)), caught
 
     def _forward(self, seqs: list[Sequence], tree: DeviceTree, prompts: PromptSegment | None):
-        """Part 1 of a decode step for `seqs` -> (their requests, padded batch, whether it proposes, part 1)."""
+        """Part 1 of a decode step for `seqs` -> (their requests, padded batch, whether it proposes, part 1, the
+        rows whose verdicts are the host's, the candidates on their way to the host for those rows' walks, or
+        None: a plain step, or no such row)."""
         step = self.runner.decode
         requests = [self.requests[seq.request_id] for seq in seqs]
         sampling = [self._row_sampling(r, tree) for r in requests]
@@ -419,7 +421,9 @@ class LLMEngine:
         changes = [self._row_changes(r) for r in requests]
         padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose, prompts, forced,
                               changes)
-        return requests, padded, propose, step.forward(tree, padded)
+        host = self._host_rows(requests)
+        early = step.candidates_to_host(tree, padded) if host and tree.num_nodes > 1 else None
+        return requests, padded, propose, step.forward(tree, padded), host, early
 
     def _catch_up(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0,
                   apply_all: bool = True) -> list[RequestOutput]:
@@ -614,8 +618,8 @@ class LLMEngine:
         hidden states [P, H] of the prompt chunks it carried, if any). `timed`: its wall time is the step's
         alone (no prefill ran in this engine step), so the policy learns from it."""
         start = time.perf_counter()
-        requests, padded, propose, part1 = self._forward(seqs, tree, prompts)
-        self._verify_on_host(requests, tree, part1, self._host_rows(requests))
+        requests, padded, propose, part1, host, early = self._forward(seqs, tree, prompts)
+        self._verify_on_host(requests, tree, part1, host, early)
         packed = self.runner.decode.finish(tree, padded)[: len(seqs)]
         logprobs = self._queue_logprobs(requests, tree, part1, packed)
         packed = packed.tolist()  # the step's one device-to-host copy (and its logprobs', where asked)
@@ -716,33 +720,38 @@ class LLMEngine:
         its sampling settings did not go up)."""
         return [i for i, request in enumerate(requests) if self._needs_host(request)]
 
-    def _verify_on_host(self, requests: list[EngineRequest], tree: DeviceTree, part1, host: list[int]) -> None:
+    def _verify_on_host(self, requests: list[EngineRequest], tree: DeviceTree, part1, host: list[int],
+                        early: PendingCopy | None = None) -> None:
         """Verdicts for rows `host` the device rules cannot decide (guides, bad words): each such row's node
         targets from its own changed logits (the argmax, or its sampler's draw), then one batched verdict for
         them all on the device, over the device's own. Rows whose changes can be made together (`batchable`)
-        are, HOST_CHUNK_ROWS at a time. Nothing is read back here but a guided chunk's candidates: the
-        step's packed copy carries these verdicts with the others. The host knows each row's output up to
-        the step's root."""
+        are, HOST_CHUNK_ROWS at a time, their guides walked from the candidates copied ahead of part 1
+        (`early`, `DecodeStep.candidates_to_host`): nothing they do waits for part 1, whose forward the
+        walk overlaps. The step's packed copy carries these verdicts with the others. The host knows each
+        row's output up to the step's root."""
         if not host:
             return
         n = tree.num_nodes
         together = [i for i in host if requests[i].batchable]
         alone = [i for i in host if not requests[i].batchable]
-        targets = [self._batch_targets(requests, together[at:at + HOST_CHUNK_ROWS], tree, part1)
+        tokens = early.tolist() if early is not None and together else None  # waits for the copy alone
+        targets = [self._batch_targets(requests, together[at:at + HOST_CHUNK_ROWS], tree, part1, tokens)
                    for at in range(0, len(together), HOST_CHUNK_ROWS)]
         targets += [self._host_targets(requests[i], tree, part1.logits[i * n:(i + 1) * n], part1.candidates[i])[None]
                     for i in alone]
         self.runner.decode.override(tree, together + alone, part1.candidates, torch.cat(targets))
 
     def _batch_targets(self, requests: list[EngineRequest], rows: list[int], tree: DeviceTree,
-                       part1) -> torch.Tensor:
+                       part1, tokens: list[list[int]] | None = None) -> torch.Tensor:
         """Batchable rows' logit changes made at once (`batch_changes`) -> their node targets [G, N]: one argmax
-        for them all, then a sampled row's draws, or a row's under the min_tokens ban, row by row."""
+        for them all, then a sampled row's draws, or a row's under the min_tokens ban, row by row. tokens: the
+        step's candidates on the host, per batch row, if copied."""
         n, at = tree.num_nodes, to_device(rows, torch.long, self.device)
         asked = [requests[i] for i in rows]
         logits = batch_changes(part1.logits.view(-1, n, part1.logits.shape[-1])[at], [r.params for r in asked],
                                [r.rules for r in asked], [r.seq.output_token_ids for r in asked],
-                               [r.seq.prompt_token_ids for r in asked], tree, part1.candidates[at])  # [G, N, V]
+                               [r.seq.prompt_token_ids for r in asked], tree, part1.candidates[at],
+                               [tokens[i] for i in rows] if tokens is not None else None)  # [G, N, V]
         targets = logits.argmax(-1)  # [G, N]
         for g, request in enumerate(asked):
             if not request.sampling.greedy or request.seq.num_output_tokens < request.eos_banned_until:

@@ -103,16 +103,17 @@ def penalize(params: SamplingParams, output_ids: Sequence[int], logits: torch.Te
 
 def batch_changes(logits: torch.Tensor, params: Sequence[SamplingParams], rules: Sequence[TokenRules],
                   outputs: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]], tree: DeviceTree,
-                  candidates: torch.Tensor) -> torch.Tensor:
+                  candidates: torch.Tensor, tokens: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """`penalize` for G rows whose logit changes are at most a guide and count penalties (no bias, allowed
     tokens, bad words or choices: `EngineRequest.batchable`), at once: logits [G, N, V] at the nodes of `tree`,
-    candidates [G, N] -> float32 logits, each row's guide followed, then its penalties applied."""
+    candidates [G, N] (and the same on the host, `tokens`, if at hand) -> float32 logits, each row's guide
+    followed, then its penalties applied."""
     logits = logits.float()
     guided = [g for g, rule in enumerate(rules) if rule.guide is not None]
     if guided:
         at = to_device(guided, torch.long, logits.device)
         logits[at] = follow_guides(logits[at], [rules[g] for g in guided], [outputs[g] for g in guided], tree,
-                                   candidates[at])
+                                   candidates[at], [tokens[g] for g in guided] if tokens is not None else None)
     penalized = [g for g, p in enumerate(params) if p.has_count_penalties]
     if penalized:
         at = to_device(penalized, torch.long, logits.device)
@@ -229,14 +230,16 @@ def _follow_choices(logits: torch.Tensor, rules: TokenRules, texts: list[list[in
 
 
 def follow_guides(logits: torch.Tensor, rules: Sequence[TokenRules], outputs: Sequence[Sequence[int]],
-                  tree: DeviceTree, candidates: torch.Tensor) -> torch.Tensor:
+                  tree: DeviceTree, candidates: torch.Tensor,
+                  tokens: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """`penalize` for G rows whose guides are their only logit changes, at once: logits [G, N, V] at the nodes
-    of `tree` and candidates [G, N] -> float32 logits with each row's guide followed at each of its nodes. One
-    read of the candidates, one mask and one fill for them all, where row by row each costs its own."""
+    of `tree` and candidates [G, N] (read back here unless `tokens` has them already) -> float32 logits with
+    each row's guide followed at each of its nodes. One mask and one fill for them all, where row by row each
+    costs its own."""
     rows, nodes, vocab = logits.shape
     guides, states, ends = [], [], []
-    for rule, output, tokens in zip(rules, outputs, candidates.tolist()):
-        states += _guide_states(rule, output, tokens, tree.spec.parent_ids)
+    for rule, output, row in zip(rules, outputs, candidates.tolist() if tokens is None else tokens):
+        states += _guide_states(rule, output, row, tree.spec.parent_ids)
         guides += [rule.guide.guide] * nodes
         ends += [rule.ends] * nodes
     flat = logits.reshape(rows * nodes, vocab).float()

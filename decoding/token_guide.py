@@ -135,12 +135,11 @@ class RegexGuide:
         device = torch.device(device)
         if (state, device) not in self._masks:
             if (state, torch.device("cpu")) not in self._masks:
-                mask = torch.zeros(self.trie.vocab, dtype=torch.bool)
-                if state != DEAD:
-                    mask = torch.from_numpy(self._moves(state) != DEAD)
+                live = self._moves(state) != DEAD if state != DEAD else np.zeros(self.trie.vocab, dtype=bool)
+                mask = torch.from_numpy(live)
                 if state == DEAD or self.dfa.accepts(state):
                     mask[list(self.ends)] = True
-                elif not mask.any():  # the text must go on, but no token spells a way: say so, once a state
+                elif not live.any():  # the text must go on, but no token spells a way: say so, once a state
                     warnings.warn(f"guide {self.dfa.pattern[:60]!r}: no token of the vocabulary continues the text "
                                   f"at its state {state}; a row there ends without a match", stacklevel=2)
                 self._masks[state, torch.device("cpu")] = mask

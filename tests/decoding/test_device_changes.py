@@ -246,7 +246,7 @@ def test_rows_the_host_decides_overlap_the_steps_and_write_what_synchronous_step
         engine._needs_host = lambda r, needs=engine._needs_host: needs(r) or r.params.temperature == 0.9
         launched, hosted = count_launches(engine), []
         verify = engine._verify_on_host
-        engine._verify_on_host = lambda *a: hosted.append(len(a[-1])) or verify(*a)
+        engine._verify_on_host = lambda *a: hosted.append(len(a[3])) or verify(*a)  # a[3]: the host rows
         texts[overlap] = [o.token_ids for o in engine.generate(prompts, params)]
         assert sum(hosted) > 0
         if overlap:

@@ -383,3 +383,45 @@ def test_forced_chain_starts_where_the_step_in_flight_ends_and_only_on_its_force
     lookup = torch.full((4, 3), 8)
     chain = DecodeStep._forced_chain(step, lookup, torch.arange(4), torch.tensor([2, 2, 0, 0]))
     assert chain.tolist() == [[1, 2, 3], [8, 8, 8], [1, 2, 8], [8, 8, 8]]
+
+
+def test_candidates_copied_ahead_of_part_one_are_the_steps_own(tiny, monkeypatch, overlap):
+    """Guided rows walk their guides from the candidates `DecodeStep.candidates_to_host` makes before part 1 runs
+    (so the walk overlaps the forward); they must be the very tokens part 1 verifies, forced chains included,
+    and the host must not read part 1's own."""
+    from medusa.decoding.decode_step import DecodeStep
+    from medusa.decoding.engine import EngineConfig, LLMEngine
+
+    model, heads = tiny
+    spelled_by_tokens(monkeypatch)
+    copied, compared = [], []
+    ahead, forward = DecodeStep.candidates_to_host, DecodeStep.forward
+
+    def candidates_to_host(self, tree, padded):
+        copied.append(ahead(self, tree, padded))
+        return copied[-1]
+
+    def checked_forward(self, tree, padded):
+        part1 = forward(self, tree, padded)
+        if copied:
+            compared.append(torch.equal(copied.pop().host, part1.candidates))
+        return part1
+
+    import medusa.decoding.logits_processing as processing
+
+    follow, walked_from_copies = processing.follow_guides, []
+
+    def follow_guides(*args):
+        walked_from_copies.append(args[-1] is not None)  # the host tokens, not part 1's candidates read back
+        return follow(*args)
+
+    monkeypatch.setattr(DecodeStep, "candidates_to_host", candidates_to_host)
+    monkeypatch.setattr(DecodeStep, "forward", checked_forward)
+    monkeypatch.setattr(processing, "follow_guides", follow_guides)
+    pattern = r"aab01b1ba10ab(0|1)ba10b1aab01ab(a|b)b1ab10"
+    engine = LLMEngine(model, heads, EngineConfig(num_blocks=128, block_size=4, prompt_lookup=4))
+    params = SamplingParams(max_tokens=30, guided_regex=pattern, stop_token_ids=(END,))
+    outs = engine.generate(random_prompts(3, VOCAB, 12, seed=8), params)
+    assert all(re.fullmatch(pattern, "".join(TOKENS[t] for t in o.token_ids)) for o in outs)
+    assert len(compared) >= 5 and all(compared)
+    assert len(walked_from_copies) >= 5 and all(walked_from_copies)
