@@ -16,7 +16,7 @@ Contract, with each row's tables broadcast over its N nodes (the host's arithmet
 rows [G] long: each row's state row in the tables; bias [R, V] float32 or None; counts [R, V] float32 and
 prompt_seen [R, V] bool, or None (no penalties); frequency, presence, repetition, biased [G] float32 (views of
 a settings table are fine). A row with no bias, zero penalties and repetition 1 keeps its logits exactly.
-The tree's own tokens (a node's path adds to its counts) are the caller's: `apply_count_penalties`.
+The tree's own tokens (a node's path adds to its counts) are the caller's: `logits_processing.penalize_path_cells`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def change_rows(logits: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | N
                 prompt_seen: torch.Tensor | None, frequency: torch.Tensor, presence: torch.Tensor,
                 repetition: torch.Tensor, biased: torch.Tensor, repeats: bool) -> torch.Tensor:
     """The contract: the Triton kernel on a GPU, the reference elsewhere."""
-    groups, nodes, vocab = _check(logits, rows, bias, counts, prompt_seen, (frequency, presence, repetition, biased))
+    _check(logits, rows, bias, counts, prompt_seen, (frequency, presence, repetition, biased))
     if use_triton(logits) and logits.numel():
         from medusa.kernels.row_changes_triton import change_rows_triton
 
@@ -67,7 +67,7 @@ def change_rows(logits: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | N
                                  repeats)
 
 
-def _check(logits, rows, bias, counts, prompt_seen, settings) -> tuple[int, int, int]:
+def _check(logits, rows, bias, counts, prompt_seen, settings) -> None:
     if logits.dim() != 3 or not logits.is_floating_point():
         raise ValueError(f"change_rows: logits must be float [G, N, V], got {logits.dtype} {tuple(logits.shape)}")
     groups, nodes, vocab = logits.shape
@@ -84,4 +84,3 @@ def _check(logits, rows, bias, counts, prompt_seen, settings) -> tuple[int, int,
                                   or not table.is_contiguous()):
             raise ValueError(f"change_rows: {name} must be a contiguous {dtype} [R, {vocab}] table, got "
                              f"{table.dtype} {tuple(table.shape)}")
-    return groups, nodes, vocab
