@@ -393,8 +393,9 @@ class LLMEngine:
         backs that with blocks. -> (the step in flight, outputs of the steps read back meanwhile).
 
         Rows the host decides (guides, bad words) need every earlier token on the host: part 1 is queued, then
-        the steps before it are read back and applied while it runs, then their targets are made and part 2
-        queued, so the host's bookkeeping of every row still overlaps the device."""
+        the steps before it are read back and applied while it runs, then their targets are made (guides walked
+        from the candidates copied ahead of part 1, `_forward`) and part 2 queued, so the host's bookkeeping of
+        every row still overlaps the device."""
         step = self.runner.decode
         requests, padded, propose, part1, host, early = self._forward(seqs, tree, prompts)
         timed = timed and self._inflight is not None
