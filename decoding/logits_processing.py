@@ -269,7 +269,7 @@ def _mask_by_guides(logits: torch.Tensor, guides: Sequence[RegexGuide], states: 
                     ends: Sequence[tuple[int, ...]]) -> torch.Tensor:
     """logits [M, V]: row m may write only what guides[m] allows in states[m]. A row left with nothing to write
     (other rules banned every token the guide allows) may end, with one of ends[m]. Nothing is read back."""
-    allowed = torch.stack([guide.allowed(state, logits.device) for guide, state in zip(guides, states)])  # [M, V']
+    allowed = _guide_masks(guides, states, logits.device)  # [M, V']
     vocab = logits.shape[-1]  # the model's rows past the tokenizer's (padding) are never allowed
     allowed = allowed[:, :vocab] if allowed.shape[1] >= vocab else F.pad(allowed, (0, vocab - allowed.shape[1]))
     logits = logits.masked_fill(~allowed, float("-inf"))
@@ -280,6 +280,18 @@ def _mask_by_guides(logits: torch.Tensor, guides: Sequence[RegexGuide], states: 
     at = to_device(columns, torch.long, logits.device)
     logits[:, at] = logits[:, at].masked_fill(stuck & ends_of_row, 0.0)  # [M, C]
     return logits
+
+
+def _guide_masks(guides: Sequence[RegexGuide], states: Sequence[int], device: torch.device) -> torch.Tensor:
+    """bool [M, V'] row m what guides[m] allows in states[m]: one gather a guide (`RegexGuide.masks`)."""
+    distinct = list(dict.fromkeys(guides))
+    if len(distinct) == 1:
+        return distinct[0].masks(states, device)
+    out = torch.empty(len(states), distinct[0].trie.vocab, dtype=torch.bool, device=device)
+    for guide in distinct:
+        rows = [m for m, g in enumerate(guides) if g is guide]
+        out[to_device(rows, torch.long, device)] = guide.masks([states[m] for m in rows], device)
+    return out
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:

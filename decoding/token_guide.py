@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from medusa.decoding import byte_level
+from medusa.decoding.host_buffers import to_device
 from medusa.decoding.regex_dfa import DEAD, LazyDFA
 
 _END = ""  # the trie key under which a node lists the token ids whose text ends there
@@ -110,6 +111,7 @@ class RegexGuide:
         self._next: dict[int, np.ndarray] = {}  # state -> [V] the state after each token (DEAD: not allowed)
         self._forced: dict[int, tuple[int, ...]] = {}  # state -> the tokens proposed for its forced text
         self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._tables: dict[torch.device, _MaskTable] = {}  # `masks`: the states' masks a row each, per device
 
     @classmethod
     def of(cls, dfa: LazyDFA, tokenizer: Any, ends: Sequence[int]) -> RegexGuide:
@@ -147,6 +149,15 @@ class RegexGuide:
             self._masks[state, device] = mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" \
                 else mask.to(device)
         return self._masks[state, device]
+
+    def masks(self, states: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+        """`allowed` of each state at once: bool [M, V] on `device`, one gather from a table of the states' masks
+        kept there (a row a state). A step's nodes share few states (a string's, say, one a depth), and a
+        stack of one mask a node cost the host a call and a tensor each."""
+        device = torch.device(device)
+        if device not in self._tables:
+            self._tables[device] = _MaskTable(self.trie.vocab, device)
+        return self._tables[device].gather(self, states)
 
     def forced_tokens(self, state: int, limit: int) -> tuple[int, ...]:
         """Up to `limit` tokens spelling the text every match must continue with from `state` (a JSON key and its
@@ -270,6 +281,39 @@ class _ClassWalk:
             grown = np.full((2 * row, self.table.shape[1]), -2, dtype=np.int64)
             grown[: len(self.table)] = self.table
             self.table = grown
+
+
+class _MaskTable:
+    """One guide's masks on one device, a row a state ([S, V] bool, doubled as states come, at most MAX_STATES
+    rows: past that it starts over; a state's mask never changes, so rows in flight stay right)."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.rows: dict[int, int] = {}  # state -> its row
+        self.table = torch.zeros(16, vocab, dtype=torch.bool, device=device)
+
+    def gather(self, guide: RegexGuide, states: Sequence[int]) -> torch.Tensor:
+        """[M, V] the masks of `states` (added first where new)."""
+        new = [state for state in dict.fromkeys(states) if state not in self.rows]
+        if new:
+            if len(self.rows) + len(new) > MAX_STATES:
+                self.rows.clear()
+                new = list(dict.fromkeys(states))
+            self._add(guide, new)
+        at = to_device([self.rows[state] for state in states], torch.long, self.table.device)
+        return self.table[at]
+
+    def _add(self, guide: RegexGuide, states: list[int]) -> None:
+        first, device = len(self.rows), self.table.device
+        if first + len(states) > len(self.table):
+            grown = torch.zeros(max(2 * len(self.table), first + len(states)), self.table.shape[1], dtype=torch.bool,
+                                device=device)
+            grown[:first] = self.table[:first]
+            self.table = grown
+        self.rows.update((state, first + i) for i, state in enumerate(states))
+        masks = torch.stack([guide.allowed(state) for state in states])  # [n, V] on the host, each built once
+        if device.type == "cuda":  # from page-locked memory: waits for no step
+            masks = masks.pin_memory().to(device, non_blocking=True)
+        self.table[first:first + len(states)] = masks
 
 
 class GuideProgress:

@@ -425,3 +425,27 @@ def test_candidates_copied_ahead_of_part_one_are_the_steps_own(tiny, monkeypatch
     assert all(re.fullmatch(pattern, "".join(TOKENS[t] for t in o.token_ids)) for o in outs)
     assert len(compared) >= 5 and all(compared)
     assert len(walked_from_copies) >= 5 and all(walked_from_copies)
+
+
+def test_masks_gathered_from_the_table_equal_each_states_own(monkeypatch):
+    """`RegexGuide.masks`: many nodes' masks in one gather from a table of the states' masks, which grows as states
+    come and starts over past MAX_STATES; two guides' rows mixed in one step (`_guide_masks`)."""
+    from medusa.decoding import token_guide
+    from medusa.decoding.logits_processing import _guide_masks
+
+    monkeypatch.setattr(token_guide, "MAX_STATES", 40)
+    guide = RegexGuide(compile_regex(r"[ab]{0,40}1"), VocabTrie(TOKENS), [3])  # a state a length: 42 of them
+    other = RegexGuide(compile_regex(r"(0|1)+b"), VocabTrie(TOKENS), [3])
+    states = [guide.dfa.walk(guide.start, "ab" * 20 + "1")] + [guide.dfa.walk(guide.start, "a" * k) for k in range(41)]
+    assert len(set(states)) == 42
+    sizes = []
+    for round_ in range(5):  # repeats, new states, a table that grows, then (40 rows at most) starts over
+        picks = [states[(i + 8 * round_) % len(states)] for i in range(14)] + [states[0]] * 3
+        want = torch.stack([guide.allowed(state) for state in picks])
+        assert torch.equal(guide.masks(picks), want)
+        sizes.append(len(guide._tables[torch.device("cpu")].rows))
+    assert sizes == [14, 22, 30, 38, 14]
+    mixed = [guide, other, guide, other, other]
+    at = [states[1], other.dfa.walk(other.start, "01"), states[0], other.start, other.dfa.walk(other.start, "1")]
+    want = torch.stack([g.allowed(state) for g, state in zip(mixed, at)])
+    assert torch.equal(_guide_masks(mixed, at, torch.device("cpu")), want)
