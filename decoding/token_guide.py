@@ -133,7 +133,7 @@ class RegexGuide:
     def allowed(self, state: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """bool [V] on `device`: the tokens that keep the text matchable, and the ends where the text already
         matches. A dead state (a text that left the pattern, which the guide never writes) allows the ends only.
-        Kept per device, so a GPU step stacks masks already there instead of copying [N, V] every step."""
+        Kept per device (a step's many nodes take theirs from `masks` instead: one gather)."""
         device = torch.device(device)
         if (state, device) not in self._masks:
             if (state, torch.device("cpu")) not in self._masks:
