@@ -46,10 +46,10 @@ class StepTrace:
 
     def _forward(self, fn):
         def forward(seqs, tree, prompts):
-            requests, padded, propose, part1 = fn(seqs, tree, prompts)
-            self._current.update(rows=len(seqs), nodes=tree.num_nodes, padded=padded,
+            forwarded = fn(seqs, tree, prompts)  # (requests, padded batch, ...)
+            self._current.update(rows=len(seqs), nodes=tree.num_nodes, padded=forwarded[1],
                                  carried=prompts.num_tokens if prompts is not None else 0)
-            return requests, padded, propose, part1
+            return forwarded
         return forward
 
     def _run(self, fn):

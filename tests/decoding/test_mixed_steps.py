@@ -129,14 +129,15 @@ def test_carried_chunks_give_the_hidden_states_and_kv_of_their_own_forward(tiny,
         alone = runner.run_eager(batch).clone()
         k_alone, v_alone = runner.cache.k.clone(), runner.cache.v.clone()
         runner.cache.k.copy_(k), runner.cache.v.copy_(v)
-        requests, padded, propose, part1 = forward(seqs, tree, prompts)
+        forwarded = forward(seqs, tree, prompts)
+        part1 = forwarded[3]  # (requests, padded, propose, part 1, ...)
         torch.testing.assert_close(part1.prompt_hidden, alone, rtol=1e-5, atol=1e-5)
         slots = torch.as_tensor(batch.slots)
         torch.testing.assert_close(runner.cache.k[:, slots], k_alone[:, slots], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(runner.cache.v[:, slots], v_alone[:, slots], rtol=1e-5, atol=1e-5)
         chunk_lens = batch.query_start[1:] - batch.query_start[:-1]
         checked.append((batch.num_seqs, bool((batch.kv_lens > chunk_lens).any())))  # a chunk after a cached one
-        return requests, padded, propose, part1
+        return forwarded
 
     plans, schedule = [], engine.scheduler.schedule
     engine.scheduler.schedule = lambda *a, **kw: plans.append(plan := schedule(*a, **kw)) or plan
