@@ -28,6 +28,7 @@ import torch
 from medusa.decoding import token_guide
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.training.data import DATA_DIR
+from phases import PhaseTimer
 from throughput import default_model, run_level, spread_order
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 600},
@@ -73,6 +74,18 @@ def first_request_seconds(engine, prompt: list[int], params: SamplingParams) -> 
     return {"cold_s": times[0], "warm_s": times[1]}
 
 
+def profiled(engine, level: list[list[int]], params: SamplingParams, concurrency: int, no_forced: bool) -> dict:
+    """Milliseconds a decode step of each phase (`phases.PhaseTimer`: synchronised around each, so steps do
+    not overlap while timed) for the level run once more."""
+    overlap, engine.overlap = engine.overlap, False
+    try:
+        with unforced(no_forced), PhaseTimer(engine) as timer:
+            run_level(engine, level, params, concurrency)
+    finally:
+        engine.overlap = overlap
+    return timer.report()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -81,6 +94,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each level and mode; the fastest is kept")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: 2 levels of a few short requests")
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS), help="requests to serve")
+    parser.add_argument("--profile-steps", action="store_true",
+                        help="each level once more on the Medusa engine, synchronous, every step's phases timed "
+                             "(throughput.py's: host_verify is the guided rows' targets made on the host)")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.quick
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
@@ -118,6 +134,9 @@ def main() -> None:
                    "plain_ms_per_step": runs["plain"]["ms_per_step"],
                    "medusa_ms_per_step": runs["medusa"]["ms_per_step"],
                    "fits_schema": sum(map(fits, texts)) / len(texts) if texts else None}
+            if args.profile_steps:
+                row["medusa_phases"] = profiled(engines["medusa"], level, params, concurrency,
+                                                name.endswith("no forced text"))
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
     out = Path(args.out)

@@ -143,3 +143,16 @@ def test_spread_order_samples_the_whole_file_from_its_first_requests():
     assert order[:8] == [0, 256, 128, 384, 64, 320, 192, 448]  # one request a slot: 8 served, 60 apart
     categories = [min(i // 10, 8) if i < 80 else 8 + (i - 80) // 80 for i in order]  # spec_bench.jsonl's layout
     assert len(set(categories[:8])) >= 6 and len(set(categories[:64])) == 13
+
+
+def test_guided_quick_times_the_kinds_asked_and_each_steps_phases(default_model_dir, tmp_path):
+    """guided.py: guided JSON against plain decoding, only the kinds asked, and with --profile-steps the Medusa
+    engine's phases a step (host_verify: the guided rows' targets made on the host)."""
+    result = run("guided.py", tmp_path, "--kinds", "guided", "free", "--profile-steps")
+    assert [(row["concurrency"], row["params"]) for row in result["rows"]] == [(1, "guided"), (1, "free"),
+                                                                             (2, "guided"), (2, "free")]
+    assert all(row["medusa_tok_s"] > 0 and row["plain_tok_s"] > 0 for row in result["rows"])
+    guided = [row for row in result["rows"] if row["params"] == "guided"]
+    phases = [row["medusa_phases"] for row in guided]
+    assert all(phase["decode_steps"] > 0 and phase["host_verify_ms"] > 0 for phase in phases)
+    assert all(row["fits_schema"] is not None for row in guided)
