@@ -110,7 +110,7 @@ class RegexGuide:
         self._walk = _ClassWalk(dfa, trie)
         self._next: dict[int, np.ndarray] = {}  # state -> [V] the state after each token (DEAD: not allowed)
         self._forced: dict[int, tuple[int, ...]] = {}  # state -> the tokens proposed for its forced text
-        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._masks: dict[int, torch.Tensor] = {}  # state -> `allowed`
         self._tables: dict[torch.device, _MaskTable] = {}  # `masks`: the states' masks a row each, per device
 
     @classmethod
@@ -130,25 +130,20 @@ class RegexGuide:
     def advance(self, state: int, token: int) -> int:
         return DEAD if state == DEAD or token >= self.trie.vocab else int(self._moves(state)[token])
 
-    def allowed(self, state: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """bool [V] on `device`: the tokens that keep the text matchable, and the ends where the text already
+    def allowed(self, state: int) -> torch.Tensor:
+        """bool [V] on the host: the tokens that keep the text matchable, and the ends where the text already
         matches. A dead state (a text that left the pattern, which the guide never writes) allows the ends only.
-        Kept per device (a step's many nodes take theirs from `masks` instead: one gather)."""
-        device = torch.device(device)
-        if (state, device) not in self._masks:
-            if (state, torch.device("cpu")) not in self._masks:
-                live = self._moves(state) != DEAD if state != DEAD else np.zeros(self.trie.vocab, dtype=bool)
-                mask = torch.from_numpy(live)
-                if state == DEAD or self.dfa.accepts(state):
-                    mask[list(self.ends)] = True
-                elif not live.any():  # the text must go on, but no token spells a way: say so, once a state
-                    warnings.warn(f"guide {self.dfa.pattern[:60]!r}: no token of the vocabulary continues the text "
-                                  f"at its state {state}; a row there ends without a match", stacklevel=2)
-                self._masks[state, torch.device("cpu")] = mask
-            mask = self._masks[state, torch.device("cpu")]  # a GPU's copy from page-locked memory waits for no step
-            self._masks[state, device] = mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" \
-                else mask.to(device)
-        return self._masks[state, device]
+        Built once a state; a step's many nodes take theirs on the device from `masks` (one gather)."""
+        if state not in self._masks:
+            live = self._moves(state) != DEAD if state != DEAD else np.zeros(self.trie.vocab, dtype=bool)
+            mask = torch.from_numpy(live)
+            if state == DEAD or self.dfa.accepts(state):
+                mask[list(self.ends)] = True
+            elif not live.any():  # the text must go on, but no token spells a way: say so, once a state
+                warnings.warn(f"guide {self.dfa.pattern[:60]!r}: no token of the vocabulary continues the text "
+                              f"at its state {state}; a row there ends without a match", stacklevel=2)
+            self._masks[state] = mask
+        return self._masks[state]
 
     def masks(self, states: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
         """`allowed` of each state at once: bool [M, V] on `device`, one gather from a table of the states' masks
@@ -210,8 +205,7 @@ class RegexGuide:
             if len(self._next) >= MAX_STATES:
                 oldest = next(iter(self._next))
                 del self._next[oldest]
-                for key in [key for key in self._masks if key[0] == oldest]:
-                    del self._masks[key]
+                self._masks.pop(oldest, None)
             self._next[state] = self._walk.run(state, self.trie.vocab)
         return self._next[state]
 
