@@ -20,6 +20,7 @@ import argparse
 import copy
 import json
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,6 +49,16 @@ def fits(text: str) -> bool:
         return False
     return isinstance(value, dict) and set(value) == {"answer", "confidence"} and value["confidence"] in SCHEMA[
         "properties"]["confidence"]["enum"]
+
+
+def schema_check(outputs) -> dict:
+    """Of the guided answers that ended (not cut by max_tokens), the share that parse and fit the schema; the
+    finish reasons of all of them. A cut answer is a prefix of valid JSON, not a failure of the guide."""
+    if not outputs:
+        return {"fits_schema": None, "finish_reasons": {}}
+    ended = [o.text for o in outputs if o.finish_reason != "length"]
+    return {"fits_schema": sum(map(fits, ended)) / len(ended) if ended else None,
+            "finish_reasons": dict(Counter(o.finish_reason for o in outputs))}
 
 
 @contextmanager
@@ -126,14 +137,14 @@ def main() -> None:
             with unforced(name.endswith("no forced text")):
                 runs = {mode: max((run_level(engine, level, params, concurrency) for _ in range(args.repeats)),
                                   key=lambda run: run["tok_s"]) for mode, engine in engines.items()}
-            texts = [o.text for o in engines["medusa"].generate(level[:8], params)] if params is guided else []
+            checked = engines["medusa"].generate(level[:8], params) if params is guided else []
             row = {"concurrency": concurrency, "params": name, "requests": len(level),
                    "plain_tok_s": runs["plain"]["tok_s"], "medusa_tok_s": runs["medusa"]["tok_s"],
                    "speedup": runs["medusa"]["tok_s"] / runs["plain"]["tok_s"],
                    "mean_accepted_length": runs["medusa"]["mean_accepted_length"],
                    "plain_ms_per_step": runs["plain"]["ms_per_step"],
                    "medusa_ms_per_step": runs["medusa"]["ms_per_step"],
-                   "fits_schema": sum(map(fits, texts)) / len(texts) if texts else None}
+                   **schema_check(checked)}
             if args.profile_steps:
                 row["medusa_phases"] = profiled(engines["medusa"], level, params, concurrency,
                                                 name.endswith("no forced text"))
