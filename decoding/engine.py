@@ -237,7 +237,7 @@ class LLMEngine:
         request, so bucket 1; every bucket took 23 s for the default model on an H200); None: up to
         max_num_seqs. A bucket left out is captured at its first use and its tree left to the token
         budget, as without warmup.
-        sampling: also capture, for the trees each batch size runs first, the graphs of steps with
+        sampling: also capture, for the trees each batch size tries first, the graphs of steps with
         sampling rows (temperature > 0, an OpenAI client's default), which are graphs of their own,
         and the temperature-only step of every other tree timed there (its trials run them): without
         them the first sampled requests capture them mid-run.

@@ -382,6 +382,15 @@ class TreePolicy:
         revisit = self.revisiting.get(bucket)
         return revisit[0] if revisit is not None and best.num_nodes > 1 else best
 
+    def trial_trees(self, bucket: int) -> list[TreeSpec]:
+        """The trees `choose` runs at this batch size before its first decision, in order, as far as the priors
+        and timings tell before any step: the best, the untried trees near it, then the plain step (plain
+        alone where the batch size borrows plain decoding). Warmup captures their mixed graphs."""
+        if self._borrows_plain(bucket):
+            return [self.plain[bucket]]
+        best = self._best(bucket)
+        return list(dict.fromkeys([best, *self._untried_near_best(bucket, best), self.plain[bucket]]))
+
     def _best(self, bucket: int) -> TreeSpec:
         return max(self.step_cost[bucket], key=lambda tree: self.score(bucket, tree))
 

@@ -187,6 +187,7 @@ def test_larger_batch_sizes_borrow_plain_decoding_from_a_smaller_one_instead_of_
     timed(policy, 8, trees[1], 1.0)
     assert policy.decision == {8: trees[1]}
     assert engine.scheduler.tree_for(16) is trees[1] and engine.scheduler.tree_for(64) is trees[1]
+    assert policy.trial_trees(64) == [trees[1]]
     assert not policy.may_speculate(64) and not policy.proposes(64, trees[1])
     for _ in range(2 * REVISIT_STEPS):  # borrowed: no trial, no revisit
         assert engine.scheduler.tree_for(64) is trees[1]
@@ -309,6 +310,7 @@ def test_trees_scoring_near_the_best_are_tried_before_a_batch_size_decides():
     engine, trees = engine_with_costs({1: {1: 1.0, 4: 1.0, 16: 1.0, 64: 1.0}}, {1: 1.0, 4: 1.2, 16: 2.28, 64: 2.4})
     policy = engine.policy
     assert 2.4 / 2.28 < TRIAL_BAND < 2.4 / 1.2
+    assert policy.trial_trees(1) == [trees[64], trees[16], trees[1]]  # what warmup captures mixed graphs of
     ran = []
     for _ in range(6 * TRIAL_STEPS):
         tree = engine.scheduler.tree_for(1)
@@ -333,6 +335,7 @@ def test_trees_scoring_near_plain_decoding_are_tried_before_a_batch_size_settles
     plain_score = policy.score(1, trees[1])
     assert plain_score / TRIAL_BAND <= policy.score(1, trees[4]) < plain_score
     assert policy.score(1, trees[64]) < plain_score / TRIAL_BAND
+    assert policy.trial_trees(1) == [trees[1], trees[4]]
     ran = []
     for _ in range(4 * TRIAL_STEPS):
         tree = engine.scheduler.tree_for(1)
