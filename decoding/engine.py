@@ -259,11 +259,14 @@ class LLMEngine:
         return (self.scheduler.has_work() or self._inflight is not None or bool(self._pending)
                 or bool(self._first_tokens))
 
-    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams()
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
+                 params: SamplingParams | Seq[SamplingParams] = SamplingParams()) -> list[RequestOutput]:
         """Run to completion; one output per prompt and completion, ordered by (prompt, index). Only the
         finished outputs are returned, so the text is decoded once per request (output_kind="final") and
-        step() builds no output for a request before it finishes."""
+        step() builds no output for a request before it finishes. One prompt (a string or a list of token
+        ids) may be given alone, as vLLM's LLM.generate takes it."""
+        if _one_prompt(prompts):  # not a list of one-character prompts, or of one-token ones
+            prompts = [prompts]
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         elif isinstance(params, Seq) and not isinstance(params, str):
@@ -903,6 +906,8 @@ class LLMEngine:
             request.new_text, text = "", request.detok.text
         if finished:
             self.requests.pop(seq.request_id, None)
+        if request.quiet:  # reported once, finished (`generate`): its one output covers the whole output
+            new = seq.output_token_ids[:]
         logprobs = None
         if request.params.logprobs is not None:
             logprobs = request.logprobs[-len(new):] if new else []
@@ -916,6 +921,13 @@ class LLMEngine:
         if spec not in self._device_trees:
             self._device_trees[spec] = DeviceTree.from_spec(spec, self.device)
         return self._device_trees[spec]
+
+
+def _one_prompt(prompts: Any) -> bool:
+    """Whether generate's prompts are one prompt: a string, or a flat sequence of token ids."""
+    if isinstance(prompts, str):
+        return True
+    return isinstance(prompts, Seq) and bool(prompts) and all(isinstance(t, int) for t in prompts)
 
 
 def _fill_bucket(prefills: list[ScheduledSeq], buckets: list[int], limit: int) -> list[ScheduledSeq]:

@@ -157,6 +157,16 @@ def test_min_tokens_and_stop_token_ids(tiny):
         SamplingParams(output_kind="last")
 
 
+def test_generate_takes_one_prompt_alone(tiny):
+    """A string or a list of token ids alone is one prompt (vLLM's LLM.generate), not one per character/token."""
+    model, heads = tiny
+    p = prompts(1, seed=8)[0]
+    params = SamplingParams(max_tokens=5)
+    listed = make_engine(model, heads).generate([p], params)
+    alone = make_engine(model, heads).generate(p, params)
+    assert len(alone) == 1 and alone[0].token_ids == listed[0].token_ids
+
+
 def test_n_completions_and_logprobs(tiny):
     model, heads = tiny
     p = prompts(1, seed=6)[0]
@@ -183,6 +193,10 @@ def test_n_completions_and_logprobs(tiny):
         assert lp.top[0][0] == lp.token_id and len(lp.top) == 3
         assert lp.logprob == pytest.approx(full[len(p) - 1 + i, lp.token_id].item(), abs=1e-4)
     assert engine.abort(rid) is False  # already finished
+    # generate() reports a request once, finished: that output carries all of its tokens and logprobs
+    once = make_engine(model, heads).generate([p], SamplingParams(max_tokens=10, logprobs=3))[0]
+    assert once.new_token_ids == once.token_ids == tokens
+    assert [(lp.token_id, lp.top) for lp in once.new_logprobs] == [(lp.token_id, lp.top) for lp in logprobs]
 
 
 class _Letters:
