@@ -23,8 +23,8 @@ class SamplingConfig:
     min_p: float = 0.0  # keep tokens at least this fraction of the most likely one's probability (0 = off)
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # NaN fails too; an infinite one would make NaN probabilities
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

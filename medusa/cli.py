@@ -55,8 +55,13 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from medusa.medusa_model import MedusaModel
+    from medusa.medusa_model import MedusaModel, generate_params
 
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   top_k=args.top_k, seed=args.seed, stop=args.stop)
+    generate_params(**options)  # a bad option fails now, not after the model loads
+    if args.compare and args.heads == "none":
+        raise ValueError("--compare measures Medusa against plain decoding; with --heads none both are plain")
     heads = None if args.heads in (None, "none") else args.heads
     start = time.perf_counter()
     lookup = {} if args.prompt_lookup is None else {"prompt_lookup": args.prompt_lookup}
@@ -64,8 +69,6 @@ def _generate(args: argparse.Namespace) -> int:
     if args.heads == "none":
         model.heads = None
     inputs = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   top_k=args.top_k, seed=args.seed, stop=args.stop)
     tree = model.resolve_tree(args.tree)
     print(f"[loaded in {time.perf_counter() - start:.1f}s on {model.base.embed_tokens.weight.device}; "
           f"tree: {tree.name or 'custom'} ({tree.num_nodes} nodes"

@@ -23,6 +23,22 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A device name or torch.device (None: a GPU if torch sees one, else the CPU); ValueError naming the
+    device where torch cannot parse it or has no such device here."""
+    if device is None:
+        return default_device()
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device {device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1'): {err}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: this torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA GPU(s) here")
+    return device
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """float32 on the CPU (exact, and bf16 matmuls are slow there), bfloat16 on a GPU."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -32,10 +48,13 @@ def load_base_model(path: str | Path, dtype: torch.dtype | None = None,
                     device: str | torch.device | None = None) -> DecoderModel:
     """A checkpoint folder (config.json + safetensors) or a .gguf file -> DecoderModel in eval mode."""
     path = Path(path)
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     if path.suffix == ".gguf":
         from medusa.gguf_loader import iter_gguf_tensors, read_gguf_config
+
+        if not path.is_file():
+            raise FileNotFoundError(f"no such .gguf file: {path}")
 
         hf_config = read_gguf_config(path)
         tensors = iter_gguf_tensors(path, hf_config)

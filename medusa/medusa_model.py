@@ -25,7 +25,7 @@ from medusa.decoding.speculation_gate import SpeculationGate
 from medusa.decoding.tree_select import choose_tree
 from medusa.decoding.verifier import AcceptanceConfig
 from medusa.heads import MedusaHeads
-from medusa.loading import default_device, default_dtype, load_base_model
+from medusa.loading import default_dtype, load_base_model, resolve_device
 from medusa.model import DecoderModel
 from medusa.tree import TreeSpec
 
@@ -125,16 +125,20 @@ class MedusaModel:
 
         heads: a heads folder/file in our, FasterDecoding's or TGI's format, a
         MedusaHeads, or None (the default model's shipped heads; no heads, i.e.
-        plain decoding, for any other model). tree: a TreeSpec, a named tree,
-        "auto" (measure step cost on this device), or None (the heads' own tree,
-        else "auto"). dtype: torch.bfloat16 or its name, None: bfloat16 on a GPU, float32 on a
-        CPU. prompt_lookup: L > 0 adds L prompt-lookup nodes (n-gram copies of
-        earlier text) to speculative trees; None: 8 on a GPU, 4 on a CPU (see
-        DEFAULT_PROMPT_LOOKUP); 0: the heads alone. Outputs are unchanged either way.
+        plain decoding, for any other model). tree: a TreeSpec, a named tree, or
+        "auto" / None (the tree of most tokens a second, from step costs measured
+        on this device at the first generate()). dtype: torch.bfloat16 or its
+        name, None: bfloat16 on a GPU, float32 on a CPU. device: None picks a
+        GPU if torch sees one. prompt_lookup: L > 0 adds L prompt-lookup nodes
+        (n-gram copies of earlier text) to speculative trees; None: 8 on a GPU,
+        4 on a CPU (see DEFAULT_PROMPT_LOOKUP); 0: the heads alone. Outputs are
+        unchanged either way.
         """
         from medusa import default_model
 
-        device = torch.device(device) if device is not None else default_device()
+        if heads is not None and not isinstance(heads, (str, Path, MedusaHeads)):  # before the weights load
+            raise TypeError(f"heads must be a heads folder or file, a MedusaHeads or None, got {type(heads).__name__}")
+        device = resolve_device(device)
         dtype = _resolve_dtype(dtype) or default_dtype(device)
         tree = _named_tree(tree)  # a bad name fails before the weights load
         system_prompt = None
@@ -172,28 +176,25 @@ class MedusaModel:
         pattern, a schema, a grammar or one of the strings (vLLM's; on the
         engine, whatever the device).
         """
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        # every path's settings checked here, by generate's names (the batch-1 decoder runs on them too)
+        checked = generate_params(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  seed=seed, stop=stop, min_p=min_p, guided_regex=guided_regex,
+                                  guided_json=guided_json, guided_choice=guided_choice, guided_grammar=guided_grammar)
+        stops = list(checked.stop)
         guided = guided_regex is not None or guided_json is not None or guided_grammar is not None \
             or bool(guided_choice)
-
-        def engine_params() -> SamplingParams:  # the batch-1 decoder checks its own settings, with its own names
-            return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                  seed=seed, stop=tuple(stops), min_p=min_p, guided_regex=guided_regex,
-                                  guided_json=guided_json, guided_choice=tuple(guided_choice or ()),
-                                  guided_grammar=guided_grammar)
-
         if _is_prompt_list(inputs):
             if stream or tree is not None or acceptance != "auto":
                 raise ValueError("a list of prompts runs on the batching engine, which streams per request, picks "
                                  "its own tree per step and uses the lossless rule: pass one prompt for "
                                  "stream=, tree= or acceptance=")
-            return self._generate_batch(list(inputs), engine_params(), speculative)
+            return self._generate_batch(list(inputs), checked, speculative)
         if guided and (tree is not None or acceptance != "auto"):
             raise ValueError("guided decoding runs on the batching engine, which picks its own tree per step and "
                              "uses the lossless rule: leave tree= and acceptance= out")
         prompt_ids = self.encode(inputs)
         if guided or self._on_engine(tree, acceptance):
-            chunks = self._run_engine(prompt_ids, engine_params(), speculative)
+            chunks = self._run_engine(prompt_ids, checked, speculative)
             return _finish(chunks, stream)
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
         accept = AcceptanceConfig(rule=acceptance, posterior_threshold=posterior_threshold,
@@ -369,6 +370,28 @@ def _is_speculative(tree: TreeSpec | str | None) -> bool:
     if isinstance(tree, TreeSpec):
         return tree.num_nodes > 1
     return tree not in (None, "single", "auto")
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    """generate's stop= (a string, strings, or None) -> a list; TypeError naming stop otherwise."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is None:
+        return []
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+    return list(stops)
+
+
+def generate_params(max_new_tokens: int = 256, stop: str | Sequence[str] | None = None,
+                    guided_choice: Sequence[str] | None = None, **settings: Any) -> SamplingParams:
+    """`MedusaModel.generate`'s settings as the engine's SamplingParams, which checks them all (types and
+    ranges); its errors name the engine's max_tokens, which generate calls max_new_tokens. The CLI checks
+    its options with this before it loads a model."""
+    try:
+        return SamplingParams(max_tokens=max_new_tokens, stop=tuple(_stop_strings(stop)),
+                              guided_choice=tuple(guided_choice or ()), **settings)
+    except (TypeError, ValueError) as err:
+        raise type(err)(str(err).replace("max_tokens", "max_new_tokens")) from None
 
 
 def _is_prompt_list(inputs: Any) -> bool:

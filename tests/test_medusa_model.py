@@ -124,6 +124,25 @@ def test_bad_load_settings_are_named_before_the_weights_load(kwargs, error):
         MedusaModel.from_pretrained("/no/such/model", **kwargs)  # the path is never read
 
 
+def test_heads_of_a_wrong_type_are_named_before_the_weights_load():
+    with pytest.raises(TypeError, match="heads must be a heads folder or file, a MedusaHeads or None, got int"):
+        MedusaModel.from_pretrained("/no/such/model", heads=123)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(max_new_tokens=2.5), "max_new_tokens must be an integer, got 2.5"),
+    (dict(max_new_tokens=True), "max_new_tokens must be an integer, got True"),
+    (dict(seed=-1), r"seed must be in \[0, 2\*\*63\), got -1"),
+    (dict(temperature="0.5"), "temperature must be a number, got '0.5'"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+    (dict(stop=5), "stop must be a string or a list of strings, got 5"),
+])
+def test_generate_names_a_bad_setting_on_the_batch1_path_too(model, kwargs, error):
+    """The batch-1 decoder (a pinned tree on any device) runs on settings checked as the engine's are."""
+    with pytest.raises((TypeError, ValueError), match=error):
+        model.generate("x", **kwargs)
+
+
 def test_dtype_by_name(default_model_dir):
     assert MedusaModel.from_pretrained(device="cpu", dtype="bfloat16").base.embed_tokens.weight.dtype == torch.bfloat16
 

@@ -26,6 +26,28 @@ def test_generate_rejects_an_unknown_dtype(capsys):
     assert "invalid choice: 'float8'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, error", [
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1"),
+    (["--device", "tpu"], "device 'tpu' is not a torch device"),
+    (["--model", "/no/such/model.gguf"], "no such .gguf file: /no/such/model.gguf"),
+    (["--heads", "none", "--compare"], "with --heads none both are plain"),
+])
+def test_generate_names_a_bad_option_in_one_line(argv, error, capsys):
+    """Checked before the model loads where they can be (none of these reads a weight), and no traceback."""
+    assert main(["generate", "hi", *argv]) == 2
+    err = capsys.readouterr().err
+    assert error in err and "Traceback" not in err
+
+
+def test_a_cuda_device_without_a_gpu_is_named(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["generate", "hi", "--device", "cuda", "--model", "/no/such/model.gguf"]) == 2
+    assert "device 'cuda': this torch sees no CUDA GPU" in capsys.readouterr().err
+
+
 def test_help_texts_give_the_library_default_prompt_lookup(capsys):
     """The CLI spells the default out (importing the model to read it would slow `--help`): it must follow
     DEFAULT_PROMPT_LOOKUP (it said 4 after the default became 8)."""
