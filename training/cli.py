@@ -2,7 +2,8 @@
 
     medusa-train train --config medusa1-smollm2 train.epochs=2 output_dir=out/run1
     medusa-train train --config medusa1-smollm2 --resume
-    medusa-train eval --heads out/run1/heads --tree searched
+    medusa-train eval --heads out/run1/heads                   # the heads' own tree, on the run's held-out data
+    medusa-train eval --heads out/run1/heads --tree tree-32    # or a tree from configs/trees/, or a JSON file
     accelerate launch -m medusa.training.cli train --config medusa1-smollm2        # several GPUs
     torchrun --standalone --nproc_per_node 2 -m medusa.training.cli train ...     # the same
 """
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--heads", required=True)
     ev.add_argument("--model", default=None, help="base model (default: the default model)")
     ev.add_argument("--tree", default=None, help="named tree or JSON (default: the heads' own tree)")
-    ev.add_argument("--config", default=None, help="recipe whose data settings define the held-out split")
+    ev.add_argument("--config", default=None, help="recipe whose data settings define the held-out split "
+                    "(default: the run's train_config.json next to the heads folder)")
     ev.add_argument("overrides", nargs="*")
     ev.set_defaults(run=_eval)
     args = parser.parse_args(argv)
@@ -66,16 +68,16 @@ def _eval(args) -> int:
     from pathlib import Path
 
     from medusa.heads import MedusaHeads
-    from medusa.training.config import load_config
     from medusa.training.data import batches
     from medusa.training.distill import self_distill
     from medusa.training.evaluate import evaluate_heads
     from medusa.training.pipeline import _first, gather_conversations, load_base
     from medusa.tree import TreeSpec
 
-    config = load_config(args.config, args.overrides)
+    config = eval_config(args)
     base, tokenizer, model_id, system_prompt, eos = load_base(args.model or config.model)
-    heads = MedusaHeads.from_pretrained(args.heads, lm_head_weight=base.lm_head.weight).float().to(base.lm_head.weight.device)
+    device = base.lm_head.weight.device
+    heads = MedusaHeads.from_pretrained(args.heads, lm_head_weight=base.lm_head.weight).float().to(device)
     tree = TreeSpec.load(args.tree) if args.tree else TreeSpec.from_paths(heads.config.tree or [], name="heads")
     pool = gather_conversations(config)
     cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"
@@ -87,6 +89,32 @@ def _eval(args) -> int:
                       "mean_accepted_length": result.mean_accepted_length,
                       "steps": len(result.accepted_lengths)}, indent=2))
     return 0
+
+
+def eval_config(args):
+    """The settings that define eval's held-out data: --config, else the run's own saved config (heads are saved
+    to <output_dir>/heads, the config to <output_dir>/train_config.json), else the defaults, said loudly: they
+    mean self-distilling the default prompts first, hours on a CPU, unless their cache exists."""
+    from pathlib import Path
+
+    from medusa.training.config import SAVED_CONFIG, load_config, load_saved_config
+
+    saved = Path(args.heads).parent / SAVED_CONFIG
+    if args.config is not None:
+        config, source = load_config(args.config, args.overrides), f"recipe {args.config}"
+    elif saved.is_file():
+        config, source = load_saved_config(saved, args.overrides), f"the run's {saved}"
+    else:
+        config, source = load_config(None, args.overrides), "the defaults"
+        print(f"medusa-train eval: no --config and no {saved} (a `medusa-train train` run writes it next to "
+              "heads/), so the data settings are the defaults: unless their cache exists, this first self-distils "
+              "the default prompts (GSM8K train + Self-Instruct, train and held-out splits) with the base model, "
+              "hours on a CPU. To use a run's cached data, pass --config <its recipe> output_dir=<its output_dir> "
+              "(or data.cache_dir=<its cache>).", file=sys.stderr)
+    cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"
+    print(f"medusa-train eval: data settings from {source}; held-out data from {cache / 'heldout'} "
+          "(self-distilled there first if not cached with these settings)", file=sys.stderr)
+    return config
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ typo must not silently train with a default).
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,18 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "configs" / "train"
 # Prompt kinds built from the train split's own texts (training/context_tasks.py), after Spec-Bench's
 # weakest categories: summarization, retrieval-augmented QA, German->English translation, short QA.
 CONTEXT_TASK_KINDS = ("summarize", "rag", "translate", "qa")
+
+
+def _require(key: str, value: Any, ok: bool, allowed: str) -> None:
+    """A ValueError naming the dotted key, the value and what is allowed. `ok` is written as the allowed
+    range (`0 < v`, not `not v <= 0`) so that NaN, which fails every comparison, is refused too."""
+    if not ok:
+        raise ValueError(f"{key} must be {allowed}, got {value!r}")
+
+
+def _positive(key: str, value: float) -> None:
+    """A finite number > 0 (a rate or a weight: 0 would train nothing, inf would diverge at once)."""
+    _require(key, value, 0 < value < math.inf, "a finite number > 0")
 
 
 @dataclass(frozen=True)
@@ -176,10 +190,25 @@ class TrainSection:
     soft_targets: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.lr <= 0 or self.grad_accum < 1 or self.max_tokens_per_batch < 16:
-            raise ValueError("train: epochs >= 1, lr > 0, grad_accum >= 1, max_tokens_per_batch >= 16")
-        if not 0 <= self.soft_targets <= 1:
-            raise ValueError(f"train.soft_targets must be in [0, 1], got {self.soft_targets}")
+        _require("train.epochs", self.epochs, self.epochs >= 1, "an int >= 1")
+        _positive("train.lr", self.lr)
+        _require("train.weight_decay", self.weight_decay, 0 <= self.weight_decay < math.inf, "a finite number >= 0")
+        # warmup_ratio 1 would leave no step at the full rate (the cosine starts where warmup ends)
+        _require("train.warmup_ratio", self.warmup_ratio, 0 <= self.warmup_ratio < 1, "in [0, 1)")
+        _require("train.max_tokens_per_batch", self.max_tokens_per_batch, self.max_tokens_per_batch >= 16,
+                 "an int >= 16")
+        _require("train.grad_accum", self.grad_accum, self.grad_accum >= 1, "an int >= 1")
+        # clip_grad_norm_ zeroes every gradient at 0; .inf measures the norm without clipping
+        _require("train.max_grad_norm", self.max_grad_norm, self.max_grad_norm > 0, "> 0 (.inf: no clipping)")
+        # decay**k weights head k's loss: <= 0 would switch heads off or maximise their loss (negative weights)
+        _positive("train.decay", self.decay)
+        _require("train.save_every", self.save_every, self.save_every >= 0,
+                 "an int >= 0 (optimizer steps between checkpoints; 0: only at the end)")
+        # checked here, not at the first step: that comes after hours of self-distillation (a modulo by 0)
+        _require("train.log_every", self.log_every, self.log_every >= 1, "an int >= 1 (optimizer steps between logs)")
+        _require("train.max_steps", self.max_steps, self.max_steps is None or self.max_steps >= 0,
+                 "an int >= 1, or 0 or null for no limit")
+        _require("train.soft_targets", self.soft_targets, 0 <= self.soft_targets <= 1, "in [0, 1]")
         if self.mixed_precision not in ("auto", "bf16", "fp16", "no"):
             raise ValueError(f"train.mixed_precision must be auto, bf16, fp16 or no, got {self.mixed_precision!r}")
 
@@ -194,12 +223,35 @@ class Medusa2Section:
     heads_weight: float = 0.2  # lambda: total = KL(base) + lambda * heads loss
     heads_weight_warmup_steps: int = 200  # lambda ramps up from 0 so early head noise cannot move the base
 
+    def __post_init__(self) -> None:
+        """Checked even when disabled: a recipe that switches Medusa-2 on later should not hide a bad value."""
+        _require("medusa2.lora_r", self.lora_r, self.lora_r >= 1, "an int >= 1 (the LoRA rank)")
+        # the adapter's output is scaled by lora_alpha / lora_r: 0 would train an adapter that does nothing
+        _require("medusa2.lora_alpha", self.lora_alpha, self.lora_alpha >= 1, "an int >= 1")
+        modules = self.target_modules
+        _require("medusa2.target_modules", modules, isinstance(modules, (list, tuple)) and len(modules) > 0
+                 and all(isinstance(m, str) and m for m in modules), "a non-empty list of module names")
+        _positive("medusa2.base_lr", self.base_lr)
+        # 0 is allowed: KL to the base only, the heads frozen in effect
+        _require("medusa2.heads_weight", self.heads_weight, 0 <= self.heads_weight < math.inf, "a finite number >= 0")
+        _require("medusa2.heads_weight_warmup_steps", self.heads_weight_warmup_steps,
+                 self.heads_weight_warmup_steps >= 0, "an int >= 0 (0: no ramp)")
+
 
 @dataclass(frozen=True)
 class EvalSection:
     tree_nodes: int = 64  # the searched tree saved with the heads
     max_rank: int = 10
     max_sequences: int = 200
+
+    def __post_init__(self) -> None:
+        from medusa.tree import MAX_NODES  # torch behind it: imported when a config is built, like heads'
+
+        # checked here: the tree is searched after training, and a bad size there loses the run's heads
+        _require("eval.tree_nodes", self.tree_nodes, 1 <= self.tree_nodes <= MAX_NODES,
+                 f"an int in [1, {MAX_NODES}] (nodes of the searched tree, root included; the engine's limit)")
+        _require("eval.max_rank", self.max_rank, self.max_rank >= 1, "an int >= 1")
+        _require("eval.max_sequences", self.max_sequences, self.max_sequences >= 1, "an int >= 1")
 
 
 @dataclass(frozen=True)
@@ -212,6 +264,16 @@ class TrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
     medusa2: Medusa2Section = field(default_factory=Medusa2Section)
     eval: EvalSection = field(default_factory=EvalSection)
+
+    def __post_init__(self) -> None:
+        # numpy's generators refuse negative seeds, torch's take at most 64 bits (and distill adds a few)
+        _require("seed", self.seed, 0 <= self.seed < 2**63, "an int in [0, 2**63)")
+        # the searched tree can only hold the paths the measured ranks allow (TreeSpec.search's capacity)
+        heads, rank = self.heads.num_heads, self.eval.max_rank
+        capacity = sum(rank**depth for depth in range(heads + 1))
+        if self.eval.tree_nodes > capacity:
+            raise ValueError(f"eval.tree_nodes must be <= {capacity} for heads.num_heads={heads} and "
+                             f"eval.max_rank={rank} (a tree of their top-{rank} paths), got {self.eval.tree_nodes}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -232,6 +294,24 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> 
             known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
             raise FileNotFoundError(f"no training recipe {recipe!r}; named recipes: {', '.join(known)}")
         data = yaml.safe_load(path.read_text()) or {}
+    return _with_overrides(data, overrides)
+
+
+SAVED_CONFIG = "train_config.json"  # the effective config a run writes to its output_dir (training/pipeline.py)
+
+
+def load_saved_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+    """A run's saved train_config.json, then `a.b=value` overrides. Its output_dir becomes the file's folder:
+    the run may have started from another working directory, and its distillation cache is <output_dir>/distill."""
+    path = Path(path)
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a saved training config (a JSON mapping)")
+    data["output_dir"] = str(path.parent)
+    return _with_overrides(data, overrides)
+
+
+def _with_overrides(data: dict[str, Any], overrides: list[str]) -> TrainConfig:
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:

@@ -232,7 +232,7 @@ class Trainer:
         if self.state.step % t.log_every == 0 or self.state.step == 1:
             metrics = {"step": self.state.step, "lr": self.scheduler.get_last_lr()[0], **metrics}
             self.state.history.append(metrics)
-            bar.set_postfix({k: (round(v, 3) if isinstance(v, float) else v) for k, v in metrics.items() if k != "step"})
+            bar.set_postfix(progress_postfix(metrics))
         bar.update(1)
         if t.save_every and self.state.step % t.save_every == 0:
             self.save_checkpoint()
@@ -269,6 +269,19 @@ class Trainer:
         found = sorted((self.output / "checkpoints").glob("step-*"))
         for path in found[:-keep_last]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def progress_postfix(metrics: dict) -> dict:
+    """The progress bar's numbers: losses to 3 decimals, but lr in scientific notation, since rates such as
+    2e-4 (or the cosine tail, or Medusa-2's base_lr) would round to 0."""
+    shown = {}
+    for key, value in metrics.items():
+        if key == "step":
+            continue
+        if isinstance(value, float):
+            value = f"{value:.1e}" if key == "lr" else round(value, 3)
+        shown[key] = value
+    return shown
 
 
 class _AdapterState:

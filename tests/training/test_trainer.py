@@ -1,6 +1,7 @@
 """The training loop on a tiny model: it learns, resumes exactly, and stops cleanly on NaN."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from medusa.config import ModelConfig
 from medusa.model import DecoderModel
 from medusa.training import trainer as trainer_module
-from medusa.training.config import load_config
+from medusa.training.config import RECIPES_DIR, load_config
 from medusa.training.data import Sequences
 from medusa.training.trainer import Trainer, TrainingDivergedError
 
@@ -109,6 +110,73 @@ def test_bad_settings_fail_before_any_work(override, error):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("override, key", [
+    ("train.log_every=0", "train.log_every"),  # was a ZeroDivisionError at the first step
+    ("eval.tree_nodes=0", "eval.tree_nodes"),  # was an error after training, with no heads saved
+    ("eval.tree_nodes=500", "eval.tree_nodes"),  # trees hold at most MAX_NODES (64)
+    ("train.decay=0", "train.decay"),
+    ("train.decay=-1", "train.decay"),  # negative loss weights: odd heads' loss maximised
+    ("train.max_steps=-5", "train.max_steps"),
+    ("train.save_every=-1", "train.save_every"),
+    ("medusa2.lora_r=-3", "medusa2.lora_r"),
+    ("medusa2.lora_r=0", "medusa2.lora_r"),
+    ("medusa2.lora_alpha=0", "medusa2.lora_alpha"),
+    ("medusa2.base_lr=0", "medusa2.base_lr"),
+    ("medusa2.heads_weight=-0.1", "medusa2.heads_weight"),
+    ("medusa2.heads_weight_warmup_steps=-1", "medusa2.heads_weight_warmup_steps"),
+    ("medusa2.target_modules=[]", "medusa2.target_modules"),
+    ("train.lr=0", "train.lr"),
+    ("train.lr=-1e-3", "train.lr"),
+    ("train.lr=.nan", "train.lr"),
+    ("train.lr=.inf", "train.lr"),
+    ("train.epochs=0", "train.epochs"),
+    ("train.warmup_ratio=1", "train.warmup_ratio"),
+    ("train.warmup_ratio=-0.1", "train.warmup_ratio"),
+    ("train.weight_decay=-0.01", "train.weight_decay"),
+    ("train.grad_accum=0", "train.grad_accum"),
+    ("train.max_tokens_per_batch=8", "train.max_tokens_per_batch"),
+    ("train.max_grad_norm=0", "train.max_grad_norm"),
+    ("train.soft_targets=1.5", "train.soft_targets"),
+    ("eval.max_rank=0", "eval.max_rank"),
+    ("eval.max_sequences=0", "eval.max_sequences"),
+    ("data.holdout_fraction=1", "data.holdout_fraction"),
+    ("data.distill_batch_size=0", "data.distill_batch_size"),
+    ("data.sample_temperature=-0.5", "data.sample_temperature"),
+    ("heads.num_heads=0", "heads.num_heads"),
+    ("seed=-1", "seed"),
+])
+def test_out_of_range_settings_are_refused_naming_key_and_value(override, key):
+    """Refused when the config is built, before hours of self-distillation, naming the key and the value."""
+    with pytest.raises(ValueError, match=rf"^{re.escape(key)} must .*, got \S"):
+        load_config(None, [override])
+
+
+def test_tree_nodes_beyond_what_the_heads_and_ranks_can_fill_are_refused():
+    with pytest.raises(ValueError, match=r"eval.tree_nodes must be <= 5 for heads.num_heads=4 and eval.max_rank=1"):
+        load_config(None, ["eval.max_rank=1"])
+    assert load_config(None, ["eval.max_rank=1", "eval.tree_nodes=5"]).eval.tree_nodes == 5
+
+
+def test_the_edges_of_each_range_still_load():
+    """0 keeps its documented meaning: no step limit, checkpoints only at the end, no lambda ramp."""
+    config = load_config(None, ["train.max_steps=0", "train.save_every=0", "train.log_every=1", "eval.tree_nodes=64",
+                                "eval.tree_nodes=1", "train.warmup_ratio=0", "medusa2.lora_r=1",
+                                "medusa2.heads_weight_warmup_steps=0", "train.max_grad_norm=.inf", "train.decay=1.5"])
+    assert (config.train.max_steps, config.train.save_every, config.eval.tree_nodes) == (0, 0, 1)
+    assert load_config(None, ["train.max_steps=null"]).train.max_steps is None
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+def test_shipped_recipes_load(recipe):
+    config = load_config(recipe)
+    assert config.train.log_every >= 1 and 1 <= config.eval.tree_nodes <= 64
+
+
+def test_progress_bar_shows_small_learning_rates():
+    shown = trainer_module.progress_postfix({"step": 3, "lr": 2e-4, "heads_loss": 1.23456, "targets": 7})
+    assert shown == {"lr": "2.0e-04", "heads_loss": 1.235, "targets": 7}
+
+
 def test_integer_settings_take_what_yaml_gives():
     config = load_config(None, ["data.self_prompts=1.2e4", "train.epochs=2.0", "seed=123456789012345678"])
     assert (config.data.self_prompts, config.train.epochs, config.seed) == (12000, 2, 123456789012345678)
@@ -167,7 +235,9 @@ def final_top1(tmp_path, data, head: int, *overrides) -> float:
 
 @pytest.mark.parametrize("rooted", [True, False])
 def test_heads_that_read_the_root_learn_what_plain_heads_cannot(tmp_path, rooted):
-    top1 = final_top1(tmp_path, paired_data(), 0, "heads.num_heads=1", f"heads.condition_on_root={str(rooted).lower()}")
+    # one head with top-10 ranks can fill a tree of at most 11 nodes (the config refuses the default 64)
+    top1 = final_top1(tmp_path, paired_data(), 0, "heads.num_heads=1", "eval.tree_nodes=11",
+                      f"heads.condition_on_root={str(rooted).lower()}")
     # head 0 can be right at every pair's end (half the positions) only when it sees the root
     assert top1 > 0.4 if rooted else top1 < 0.15
 
@@ -195,7 +265,8 @@ def triple_data(n=128):
 
 @pytest.mark.parametrize("chained", [True, False])
 def test_chained_heads_learn_from_the_chain(tmp_path, chained):
-    top1 = final_top1(tmp_path, triple_data(), 1, "heads.num_heads=2", f"heads.condition_on_chain={str(chained).lower()}")
+    top1 = final_top1(tmp_path, triple_data(), 1, "heads.num_heads=2",
+                      f"heads.condition_on_chain={str(chained).lower()}")
     # head 1 can be right at every triple's end (a third of the positions) only when it reads the chain
     assert top1 > 0.28 if chained else top1 < 0.15
 

@@ -1,0 +1,72 @@
+"""`medusa-train`: its help examples work, and `eval` takes its data settings from the run it measures."""
+
+import argparse
+import dataclasses
+import json
+import re
+
+import pytest
+
+from medusa.training import cli, pipeline
+from medusa.training.config import RECIPES_DIR, load_config, load_saved_config
+from medusa.tree import TreeSpec
+
+
+def test_help_examples_name_trees_that_exist():
+    trees = re.findall(r"--tree (\S+)", cli.__doc__)
+    assert trees
+    for name in trees:
+        assert TreeSpec.load(name).num_nodes >= 1
+
+
+def saved_run(tmp_path, *overrides):
+    """A run folder as `medusa-train train` leaves it: train_config.json beside heads/ (written from elsewhere)."""
+    run = tmp_path / "run1"
+    run.mkdir()
+    config = load_config(None, ["output_dir=out/somewhere-else", *overrides])
+    (run / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    return run
+
+
+def eval_args(heads, config=None, overrides=()):
+    return argparse.Namespace(heads=str(heads), config=config, overrides=list(overrides))
+
+
+def test_eval_reads_the_runs_saved_config(tmp_path, capsys):
+    run = saved_run(tmp_path, "eval.max_sequences=7", "data.holdout_fraction=0.25", "data.sources=[a.jsonl]")
+    config = cli.eval_config(eval_args(run / "heads", overrides=["eval.max_rank=3"]))
+    assert (config.eval.max_sequences, config.data.holdout_fraction, config.eval.max_rank) == (7, 0.25, 3)
+    assert [s.path for s in config.data.sources] == ["a.jsonl"]
+    assert config.output_dir == str(run)  # so its cache, <output_dir>/distill, is found from any directory
+    err = capsys.readouterr().err
+    assert "train_config.json" in err and str(run / "distill" / "heldout") in err and "no --config" not in err
+
+
+def test_eval_config_option_wins_over_the_saved_one(tmp_path):
+    run = saved_run(tmp_path, "eval.max_sequences=7")
+    config = cli.eval_config(eval_args(run / "heads", config="medusa1-smollm2"))
+    assert config.eval.max_sequences == load_config("medusa1-smollm2").eval.max_sequences
+
+
+def test_eval_without_any_config_says_what_it_will_distil_before_loading(tmp_path, monkeypatch, capsys):
+    def stop(*args, **kwargs):
+        raise ValueError("stopped before loading the model")
+
+    monkeypatch.setattr(pipeline, "load_base", stop)
+    assert cli.main(["eval", "--heads", str(tmp_path / "heads")]) == 2
+    err = capsys.readouterr().err
+    assert err.index("no --config") < err.index("stopped before loading")
+    assert "self-distils the default prompts" in err and "data.cache_dir" in err
+
+
+def test_eval_refuses_a_bad_override_before_loading(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(pipeline, "load_base", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    assert cli.main(["eval", "--heads", str(saved_run(tmp_path) / "heads"), "eval.tree_nodes=0"]) == 2
+    assert "eval.tree_nodes must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+def test_every_recipe_survives_its_saved_round_trip(tmp_path, recipe):
+    config = load_config(recipe)
+    (tmp_path / "train_config.json").write_text(json.dumps(config.to_dict()))
+    assert load_saved_config(tmp_path / "train_config.json") == dataclasses.replace(config, output_dir=str(tmp_path))
