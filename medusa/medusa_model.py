@@ -45,7 +45,9 @@ class GenerationResult:
 
     @property
     def mean_accepted_length(self) -> float:
-        return len(self.token_ids) / max(self.steps, 1)
+        """Tokens a verification step emitted: the end-of-sequence token a step wrote counts (it is not in
+        token_ids), so a step is never worth less than 1."""
+        return sum(self.accepted_lengths) / max(self.steps, 1)
 
 
 class GenerationStream:

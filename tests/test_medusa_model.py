@@ -40,9 +40,16 @@ def test_stream_equals_non_stream_and_reports_stats(model):
     assert "".join(deltas) == full.text == stream.result.text
     assert stream.result.token_ids == full.token_ids
     assert len(full.token_ids) <= 40 and full.steps == len(full.accepted_lengths)
-    assert full.mean_accepted_length == pytest.approx(len(full.token_ids) / full.steps)
+    assert full.mean_accepted_length == pytest.approx(sum(full.accepted_lengths) / full.steps)
     assert full.mean_accepted_length > 1.0  # the shipped heads do accept on a math prompt
     assert full.tokens_per_second > 0
+
+
+def test_a_plain_answer_that_ends_accepts_one_token_a_step(model):
+    """Its last step writes the end-of-sequence token, which token_ids leaves out: still 1 token a step."""
+    plain = model.chat("Say hello.", max_new_tokens=40, speculative=False)
+    assert plain.finish_reason == "stop" and plain.steps == len(plain.token_ids) + 1
+    assert plain.mean_accepted_length == 1.0
 
 
 def test_plain_and_medusa_agree_and_inputs_are_equivalent(model):
