@@ -199,7 +199,7 @@ class LLMEngine:
         for index in range(params.n):
             # unseeded: a random seed, so that each output position's noise is fixed before its draw and the
             # heads can propose under it (`DecodeStep._coupled_proposals`); draws stay independent
-            seed = random.getrandbits(64) if params.seed is None else params.seed + index
+            seed = random.getrandbits(64) if params.seed is None else (params.seed + index) % 2**63
             sub = rid if params.n == 1 else f"{rid}#{index}"
             detok = make_detokenizer(self.tokenizer, params)
             # prompt logprobs need every prompt position's hidden state: none may come from the prefix cache
@@ -265,6 +265,9 @@ class LLMEngine:
         finished outputs are returned, so the text is decoded once per request (output_kind="final") and
         step() builds no output for a request before it finishes. One prompt (a string or a list of token
         ids) may be given alone, as vLLM's LLM.generate takes it."""
+        if self.requests:  # their outputs would come out of generate's steps and be dropped
+            raise RuntimeError(f"generate() runs the engine to completion, and {len(self.requests)} sequence(s) "
+                               "added with add_request are unfinished: step() them to the end (or abort them) first")
         if _one_prompt(prompts):  # not a list of one-character prompts, or of one-token ones
             prompts = [prompts]
         if isinstance(params, SamplingParams):

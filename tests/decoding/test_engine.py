@@ -167,6 +167,18 @@ def test_generate_takes_one_prompt_alone(tiny):
     assert len(alone) == 1 and alone[0].token_ids == listed[0].token_ids
 
 
+def test_generate_refuses_to_run_over_requests_it_would_drop(tiny):
+    """generate() steps the engine to the end: another caller's requests would finish inside it, their
+    outputs lost. It says so, and runs once they are done."""
+    model, heads = tiny
+    engine = make_engine(model, heads)
+    p = prompts(1, seed=9)[0]
+    rid = engine.add_request(p, SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="1 sequence.s. added with add_request are unfinished"):
+        engine.generate([p], SamplingParams(max_tokens=4))
+    assert engine.abort(rid) and len(engine.generate([p], SamplingParams(max_tokens=4))[0].token_ids) == 4
+
+
 def test_n_completions_and_logprobs(tiny):
     model, heads = tiny
     p = prompts(1, seed=6)[0]
