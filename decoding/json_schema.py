@@ -206,14 +206,14 @@ class _Converter:
                 raise ValueError(f"guided_json: string format {schema['format']!r} is not supported (supported: "
                                  f"{', '.join(FORMATS)})")
             return f'"{FORMATS[schema["format"]]}"'
-        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        low, high = _bounds(schema, "minLength", "maxLength", "string")
         if low or high is not None:
             return f'"{STRING_CHAR}{{{low},{"" if high is None else high}}}"'
         return STRING
 
     def _array(self, schema: dict, depth: int) -> str:
         item = self.value(schema.get("items", True), depth)
-        low, high = schema.get("minItems", 0), schema.get("maxItems")
+        low, high = _bounds(schema, "minItems", "maxItems", "array")
         if high == 0:
             return r"\[\]"
         more = f"(,{SEP}{item}){{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
@@ -246,6 +246,19 @@ class _Converter:
         if target is None:
             raise ValueError(f"guided_json: $ref {ref!r} does not name a schema in $defs or definitions")
         return target
+
+
+def _bounds(schema: dict, low_key: str, high_key: str, kind: str) -> tuple[int, int | None]:
+    """A length's (least, most or None) from its two keywords, refused here where no value could meet them: they
+    become a regex repeat, whose own error would only show the internal regex."""
+    low, high = schema.get(low_key), schema.get(high_key)
+    for key, bound in ((low_key, low), (high_key, high)):
+        if bound is not None and (type(bound) is not int or bound < 0):
+            raise ValueError(f"guided_json: {key} must be a non-negative integer, got {bound!r}")
+    low = low or 0
+    if high is not None and low > high:
+        raise ValueError(f"guided_json: {low_key} {low} > {high_key} {high}: no {kind} can have both")
+    return low, high
 
 
 def _ordered(fields: list[tuple[str, bool]]) -> str:

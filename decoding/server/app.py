@@ -165,6 +165,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         card = p.ModelCard(id=state.served_name, max_model_len=state.max_model_len)
         return JSONResponse(p.ModelList(data=[card]).model_dump())
 
+    # the OpenAI SDK's models.retrieve(); `path`: a served name may hold slashes ("org/model")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        state.authorize(request)
+        state.check_model(model_id)
+        return JSONResponse(p.ModelCard(id=state.served_name, max_model_len=state.max_model_len).model_dump())
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = await _parse(request, state, p.ChatCompletionRequest)

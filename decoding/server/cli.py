@@ -7,6 +7,7 @@ without the `serve` extra installed.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -78,6 +79,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: give both or neither")
     template = _chat_template(args.chat_template)
+    configure_logging(args.log_level)
     start = time.perf_counter()
     heads = None if args.heads in (None, "none") else args.heads
     model = MedusaModel.from_pretrained(args.model, heads=heads, device=args.device, prompt_lookup=args.prompt_lookup)
@@ -112,6 +114,19 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, _exit_cleanly)
     server.run()
     return 0
+
+
+def configure_logging(level: str) -> None:
+    """Show the medusa loggers' lines on stderr at --log-level: nothing else configures them, so the server's start
+    line (the tree each batch size uses) and its request errors would be lost. Left alone where the user's own
+    logging is set up already (a handler on the root or the medusa logger)."""
+    root, medusa = logging.getLogger(), logging.getLogger("medusa")
+    if root.handlers or medusa.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))  # beside uvicorn's lines
+    medusa.addHandler(handler)
+    medusa.setLevel(level.upper())
 
 
 TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "configs" / "chat_templates"

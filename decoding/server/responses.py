@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Iterable
 
 from starlette.requests import Request
 
+from medusa.decoding import byte_level
 from medusa.decoding.async_engine import AsyncLLMEngine
 from medusa.decoding.outputs import RequestOutput, TokenLogprob
 from medusa.decoding.server import protocol as p
@@ -38,7 +39,7 @@ async def engine_outputs(engine: AsyncLLMEngine, job: Job, live: set[asyncio.Que
     """Merge the job's engine streams, one per choice. `live` holds the queue while it runs, so the
     server can push a shutdown notice (choice None) into it.
 
-    Each choice is its own n=1 engine request (seeded seed + j, as the engine seeds its n
+    Each choice is its own n=1 engine request (seeded (seed + j) mod 2**63, as the engine seeds its n
     sequences): AsyncLLMEngine.generate ends at the first finished output, so one request with
     n > 1 would lose its other sequences' endings. Prefix caching still shares the prompt's KV.
     """
@@ -46,9 +47,10 @@ async def engine_outputs(engine: AsyncLLMEngine, job: Job, live: set[asyncio.Que
     n, seed = job.params.n, job.params.seed
 
     async def pump(choice: int, ids: list[int]) -> None:
-        j = choice % n
-        params = replace(job.params, n=1, seed=None if seed is None else seed + j)
-        try:
+        try:  # anything that goes wrong, building the params included, must reach the reader, or it waits forever
+            j = choice % n
+            # wrapped into SamplingParams' [0, 2**63) as the engine wraps its n seeds: seed -1 arrives as 2**63 - 1
+            params = replace(job.params, n=1, seed=None if seed is None else (seed + j) % 2**63)
             async for out in engine.generate(ids, params, request_id=f"{job.request_id}-{choice}"):
                 queue.put_nowait((choice, out))
         except Exception as err:  # reaches the reader, which turns it into an error object
@@ -205,16 +207,23 @@ class Formatter:
             self._token_text[token_id] = self.tokenizer.decode([token_id])
         return self._token_text[token_id]
 
+    def _bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (OpenAI's `bytes`: joined, a choice's tokens give its text back, a character split
+        over several tokens included, whose text alone is U+FFFD); its text's UTF-8 where the tokenizer is not
+        byte-level."""
+        table = _byte_table(self.tokenizer)
+        if table is not None and 0 <= token_id < len(table):
+            return list(table[token_id])
+        return list(self._text(token_id).encode())
+
     def _chat_logprobs(self, entries: list[TokenLogprob]) -> p.ChatLogprobs | None:
         if self.job.params.logprobs is None:
             return None
         content = []
         for e in entries:
-            top = [p.TopLogprob(token=self._text(t), logprob=_finite(lp), bytes=list(self._text(t).encode()))
-                   for t, lp in e.top]
-            text = self._text(e.token_id)
-            content.append(p.ChatTokenLogprob(token=text, logprob=_finite(e.logprob), bytes=list(text.encode()),
-                                              top_logprobs=top))
+            top = [p.TopLogprob(token=self._text(t), logprob=_finite(lp), bytes=self._bytes(t)) for t, lp in e.top]
+            content.append(p.ChatTokenLogprob(token=self._text(e.token_id), logprob=_finite(e.logprob),
+                                              bytes=self._bytes(e.token_id), top_logprobs=top))
         return p.ChatLogprobs(content=content)
 
     def _prompt_logprobs(self, choice: int) -> p.PromptLogprobs | None:
@@ -257,9 +266,25 @@ class Formatter:
             text = self._text(token)
             out.tokens.append(text)
             out.token_logprobs.append(None if entry is None else _finite(entry.logprob))
-            out.top_logprobs.append(None if entry is None else {self._text(t): _finite(lp) for t, lp in entry.top[:k]})
+            out.top_logprobs.append(None if entry is None else self._top_row(token, entry, k))
             out.text_offset.append(offset)
             offset += len(text)
+
+    def _top_row(self, token: int, entry: TokenLogprob, k: int) -> dict[str, float]:
+        """The k most likely tokens' logprobs by text, and the token written itself where it is not among them
+        (so up to k + 1 entries, as OpenAI's legacy completions and vLLM give)."""
+        top = entry.top[:k]
+        if all(t != token for t, _ in top):
+            top = [*top, (token, entry.logprob)]
+        return {self._text(t): _finite(lp) for t, lp in top}
+
+
+def _byte_table(tokenizer: Any) -> list[bytes] | None:
+    """Each id's bytes, special tokens' text included (as `_text` decodes them), for a byte-level BPE tokenizer
+    (built once per tokenizer); None for any other."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:  # not a fast (Rust) tokenizer: no table to build
+        return None
+    return byte_level.byte_table(tokenizer, skip_special=False)
 
 
 def _prompt_entry(rank: int | None, logprob: float, text: str) -> p.PromptLogprob:

@@ -69,6 +69,11 @@ def test_a_schema_free_object_nests_at_most_three_deep():
     ({"type": "tuple"}, "unknown type 'tuple'"),
     ({"enum": []}, "enum must be a non-empty list"),
     ({"allOf": [{}, {}]}, "allOf is supported with one schema only"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 > maxLength 2: no string can have both"),
+    ({"type": "array", "minItems": 3, "maxItems": 2}, "minItems 3 > maxItems 2: no array can have both"),
+    ({"type": "array", "minItems": 1, "maxItems": 0}, "minItems 1 > maxItems 0"),
+    ({"type": "string", "minLength": -1}, "minLength must be a non-negative integer, got -1"),
+    ({"type": "array", "maxItems": 2.5}, "maxItems must be a non-negative integer, got 2.5"),
     ("{not json", "not valid JSON"), ('"a string"', "must be a JSON Schema object"),
     (3, "must be a JSON Schema object"),
 ])

@@ -69,6 +69,18 @@ def tiny_model(default_model_dir):
     return MedusaModel(base, _load_tokenizer(default_model_dir), heads, system_prompt="Be brief.")
 
 
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model):
+    """(base_url, app) serving the tiny model over real HTTP: a client with a timeout turns a request
+    that never answers into a failure, where a TestClient would wait forever."""
+    from medusa.decoding.engine import EngineConfig
+    from medusa.decoding.server import build_app
+
+    app = build_app(tiny_model, "tiny", engine_config=EngineConfig(num_blocks=128))
+    with running_server(app) as url:
+        yield url, app
+
+
 # The serve extra is optional (the GPU host has no fastapi): skip these tests where it is missing,
 # except in CI, whose install of ".[test]" must bring it.
 _NEEDED = ("fastapi", "uvicorn", "openai", "httpx", "prometheus_client")

@@ -181,6 +181,76 @@ def test_any_64_bit_seed_is_served(tiny_client):
         assert resp.status_code == 200, (seed, resp.text)
 
 
+@pytest.mark.parametrize("path", [CHAT, COMP])
+@pytest.mark.parametrize("seed", [-1, 2**63 - 1, 2**64 - 1])
+def test_n_choices_at_the_top_seeds_answer(tiny_server, path, seed):
+    """Choice j is seeded seed + j; near the top of the seed range that must wrap, not leave a choice unanswered
+    (the request used to hang)."""
+    url, _ = tiny_server
+    body = (chat if path == CHAT else comp)(n=2, seed=seed, temperature=1.0, max_tokens=3)
+    resp = httpx.post(url + path, json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert sorted(c["index"] for c in resp.json()["choices"]) == [0, 1]
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=30) as streamed:
+        lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+
+
+def test_n_choices_wrap_seeds_as_the_engine_does(tiny_server, tiny_model):
+    """Choice j of a served request seeded s samples as sequence j of an engine request seeded s: both wrap
+    s + j into [0, 2**63) (seed -1 reaches the engine as 2**63 - 1)."""
+    from medusa.decoding.sampling_params import SamplingParams
+
+    ids = [1, 2, 3, 4]
+    params = SamplingParams(n=2, seed=2**63 - 1, max_tokens=4, temperature=1.0, ignore_eos=True)
+    texts = [o.text for o in tiny_model.engine(speculative=False).generate([ids], params)]
+    body = {"prompt": ids, "n": 2, "seed": -1, "temperature": 1.0, "max_tokens": 4, "ignore_eos": True}
+    served = httpx.post(tiny_server[0] + COMP, json=body, timeout=30).json()["choices"]
+    assert [c["text"] for c in sorted(served, key=lambda c: c["index"])] == texts and texts[0] != texts[1]
+
+
+def test_a_choice_whose_params_cannot_be_built_fails_the_request(tiny_server, monkeypatch):
+    """Whatever goes wrong in a choice's pump, before its engine request too, reaches the reader as an error."""
+    from medusa.decoding.server import responses
+
+    real = responses.replace
+
+    def failing(params, **changes):
+        if changes.get("seed") == 4:  # choice 1 of seed 3
+            raise RuntimeError("cannot build this choice's params")
+        return real(params, **changes)
+
+    monkeypatch.setattr(responses, "replace", failing)
+    url, _ = tiny_server
+    resp = httpx.post(url + CHAT, json=chat(n=2, seed=3, temperature=1.0), timeout=30)
+    assert_error(resp, 500)
+    with httpx.stream("POST", url + CHAT, json=chat(n=2, seed=3, stream=True), timeout=30) as streamed:
+        lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
+
+
+def test_models_retrieve_finds_the_served_model_only(tiny_server):
+    """The OpenAI SDK's models.retrieve() reads GET /v1/models/{id}: the served model's card, a 404 for any other."""
+    import openai
+
+    url, _ = tiny_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=30, max_retries=0)
+    card = client.models.retrieve("tiny")
+    assert (card.id, card.object, card.owned_by) == ("tiny", "model", "medusa") and card.max_model_len > 0
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    assert_error(httpx.get(url + "/v1/models/org/other-model", timeout=30), 404, "model")
+
+
+def test_impossible_schema_bounds_are_named_not_shown_as_regex(tiny_client):
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 5, "maxLength": 2}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    resp = post(tiny_client, CHAT, chat(response_format=fmt))
+    assert_error(resp, 400)
+    message = resp.json()["error"]["message"]
+    assert "minLength 5 > maxLength 2" in message and "{5,2}" not in message, message
+
+
 def test_penalties_reach_the_engine(tiny_model):
     from medusa.decoding.server.jobs import chat_job, completion_job
     from medusa.decoding.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -204,6 +274,7 @@ def test_api_key(tiny_model):
         assert_error(post(client, CHAT, chat()), 401)
         assert_error(client.post(CHAT, json=chat(), headers={"Authorization": "Bearer wrong"}), 401)
         assert_error(client.get("/v1/models"), 401)
+        assert_error(client.get("/v1/models/tiny"), 401)
         assert client.get("/health").status_code == 200  # probes and scrapers need no key
         good = client.post(CHAT, json=chat(), headers={"Authorization": "Bearer sekret"})
         assert good.status_code == 200 and good.json()["object"] == "chat.completion"

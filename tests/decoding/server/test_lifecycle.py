@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import signal
 import socket
@@ -115,6 +116,40 @@ def test_sigterm_ends_streams_and_exits_zero(tmp_path, default_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_logs_which_tree_each_batch_size_uses(tmp_path, default_model_dir):
+    """`medusa serve` shows the medusa loggers at --log-level (info by default): the engine's start line is there."""
+    _tiny_checkpoint(tmp_path, default_model_dir)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "medusa.cli", "serve", "--model", str(tmp_path), "--heads", "none",
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_until(lambda: _healthy(f"http://127.0.0.1:{port}"), 120), "the server did not start"
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "INFO:     medusa.server: engine (speculative=False): tree per batch size" in output, output
+
+
+def test_serve_leaves_logging_the_user_set_up_alone():
+    from medusa.decoding.server.cli import configure_logging
+
+    root, ours = logging.getLogger(), logging.getLogger("medusa")
+    saved = root.handlers, ours.handlers, ours.level
+    try:
+        root.handlers, ours.handlers = [logging.NullHandler()], []  # the user's own configuration
+        configure_logging("info")
+        assert ours.handlers == [] and ours.level == saved[2]
+        root.handlers = []  # none: serve shows medusa's lines
+        configure_logging("debug")
+        assert len(ours.handlers) == 1 and ours.getEffectiveLevel() == logging.DEBUG
+    finally:
+        root.handlers, ours.handlers = saved[:2]
+        ours.setLevel(saved[2])
 
 
 def _healthy(url: str) -> bool:

@@ -218,7 +218,8 @@ def test_echo_with_logprobs_scores_the_prompt(client, tiny_model):
             tiny_model.base(x, torch.arange(len(ids)), CausalAttention())).float(), -1)
     for q in range(1, len(ids)):
         assert logprobs["token_logprobs"][q] == pytest.approx(logp[q - 1, ids[q]].item(), abs=1e-4)
-        assert len(logprobs["top_logprobs"][q]) <= 2
+        top = logprobs["top_logprobs"][q]  # the 2 likeliest, and the prompt's own token where it is not one of them
+        assert len(top) <= 3 and top[logprobs["tokens"][q]] == logprobs["token_logprobs"][q]
     assert choice["text"].startswith(prompt) and logprobs["text_offset"][len(ids)] == len(prompt)
     assert logprobs["text_offset"][:3] == [0, len(decode([ids[0]])), len(decode(ids[:2]))]
 
@@ -283,7 +284,8 @@ def test_prompt_logprobs_beside_echo_keep_each_count(client, tiny_model):
     body = {"prompt": prompt, "echo": True, "logprobs": 1, "prompt_logprobs": 4, "max_tokens": 1, "temperature": 0}
     choice = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer secret"}).json()["choices"][0]
     ids = tiny_model.encode(prompt)
-    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])
+    rows = zip(choice["logprobs"]["tokens"][1:], choice["logprobs"]["top_logprobs"][1:])
+    assert all(len(top) <= 2 and token in top for token, top in rows)  # the likeliest and the token itself
     check_prompt_logprobs(choice["prompt_logprobs"], ids, full_logprobs(tiny_model, ids), 4,
                           tiny_model.tokenizer.decode)
 
