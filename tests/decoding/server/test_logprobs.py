@@ -65,7 +65,11 @@ def test_completion_top_logprobs_hold_the_sampled_token(client, k):
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
         chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
-    assert [t for lp in streamed for t in lp["top_logprobs"]] == full["top_logprobs"]
+    joined = [t for lp in streamed for t in lp["top_logprobs"]]
+    # the same tokens; a logprob may differ in float rounding (the two runs' steps may verify other trees)
+    assert [list(row) for row in joined] == [list(row) for row in full["top_logprobs"]]
+    assert all(row[t] == pytest.approx(other[t], abs=1e-4) for row, other in zip(joined, full["top_logprobs"])
+               for t in row)
     rows = list(zip(full["tokens"], full["token_logprobs"], full["top_logprobs"]))
     assert len(rows) == 12
     for token, logprob, top in rows:
