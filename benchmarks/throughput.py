@@ -104,6 +104,7 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
     step = engine.runner.decode
     graphs_before, capture_before = step.num_graphs, step.capture_seconds
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+    policy = engine.policy_for(sampled=any(p.temperature > 0 for p in params))
     queue, finished, in_flight, steps = list(zip(prompts, params)), [], 0, 0
     full_tokens, full_seconds = 0, None  # while every slot is busy: until the last request is admitted
     start = time.perf_counter()
@@ -144,14 +145,15 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
                                       if n > trees_before.get(t, 0)},
             # batch bucket -> the tree its timings chose; buckets still on trial, borrowing plain decoding
             # from a smaller one, or never run are absent
-            "tree_decisions": {b: t.label for b, t in sorted(engine.policy.decision.items())},
-            "policy_at_level": policy_view(engine, concurrency)}
+            # (the policy of the level's traffic: greedy, or with sampled rows, `LLMEngine.policy_for`)
+            "tree_decisions": {b: t.label for b, t in sorted(policy.decision.items())},
+            "policy_at_level": policy_view(engine, policy, concurrency)}
 
 
-def policy_view(engine: LLMEngine, concurrency: int) -> dict:
+def policy_view(engine: LLMEngine, policy, concurrency: int) -> dict:
     """What the tree policy believes at this level's batch size, per tree: graph-timed and charged ms per step
     (charged: the median wall time once tried), the steps it was wall-timed, its expected tokens per step."""
-    policy, bucket = engine.policy, engine.runner.decode.bucket(concurrency)
+    bucket = engine.runner.decode.bucket(concurrency)
     view = {}
     for tree, graph in policy.step_cost.get(bucket, {}).items():
         wall = policy.wall.get(bucket, {}).get(tree)

@@ -31,6 +31,7 @@ last few tokens (`prompt_lookup.py`, computed on the device from each row's toke
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 import time
@@ -92,6 +93,7 @@ class _InFlight:
     logprobs: StepLogprobs | None = None  # of its rows that ask, on their way to the host
     noted: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)  # those, read back
     read_at: float = 0.0  # perf_counter when its rows reached the host
+    policy: TreePolicy | None = None  # the tree policy that chose its tree: its costs and acceptance go there
 
 
 @dataclass
@@ -154,7 +156,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.totals = RequestStats()  # over the engine's life, for /metrics
         self.steps_per_tree: Counter[str] = Counter()  # decode steps per tree label, likewise
-        self.policy = TreePolicy()  # filled by warmup()
+        # the measured tree policy (filled by warmup()) of greedy traffic, and its copy for traffic with sampled
+        # rows, which accept less (a node passes only when the base draws it): one policy for both let a burst
+        # of sampled requests settle a batch size on plain decoding that greedy requests then ran (session 41)
+        self.policy = TreePolicy()
+        self.sampled_policy: TreePolicy | None = None  # warmup's copy of `policy`, before any traffic
+        self._sampled_seqs = 0  # unfinished sequences that sample
         self.overlap = self.runner.decode.use_graphs if config.overlap is None else config.overlap
         self.mixed_prompt_tokens = config.mixed_prompt_tokens
         # cut carried prompt chunks to fill a token bucket: only where graphs pad them to one (eagerly a cut
@@ -207,6 +214,7 @@ class LLMEngine:
             request = EngineRequest(seq, params, TokenSampler(seed), detok, parent_id=rid, index=index,
                                     stop_ids=stop_ids, quiet=quiet, rules=rules.for_sequence())
             self.requests[sub] = request
+            self._sampled_seqs += not request.sampling.greedy
             self.scheduler.add(request.seq)
         return rid
 
@@ -214,7 +222,7 @@ class LLMEngine:
         """Abort a request (all its n sequences); False if it is unknown or already finished."""
         subs = [k for k, r in self.requests.items() if r.parent_id == request_id]
         for sub in subs:
-            self._release_row(self.requests.pop(sub))
+            self._forget(sub)
             self.scheduler.abort(sub)
         live = lambda flight: any(self.requests.get(r.seq.request_id) is r for r in flight.requests)  # noqa: E731
         if self._inflight is not None and not live(self._inflight):
@@ -247,13 +255,24 @@ class LLMEngine:
         starts from costs read off those (`eager_costs.py`; on two cores 3 s for the default model's
         one-request bucket, 10 s for all 64).
         """
-        return warmup.run(self, context, max_batch, sampling)
+        chosen = warmup.run(self, context, max_batch, sampling)
+        if self.sampled_policy is None and self.scheduler.policy is not None:
+            self.sampled_policy = copy.deepcopy(self.policy)
+        return chosen
+
+    def policy_for(self, sampled: bool) -> TreePolicy:
+        """The tree policy of greedy traffic, or of traffic with sampled rows (the greedy one before warmup)."""
+        return self.sampled_policy if sampled and self.sampled_policy is not None else self.policy
+
+    def traffic_policy(self) -> TreePolicy:
+        """The tree policy of the traffic now: the sampled one while any unfinished sequence samples."""
+        return self.policy_for(self._sampled_seqs > 0)
 
     def _measured_tree(self, num_decoding: int) -> TreeSpec | None:
         """The measured policy's tree for a step of `num_decoding` sequences (the scheduler's `policy` once warmup
         has run); None past warmup's max_batch, where nothing was timed."""
-        bucket = self.runner.decode.bucket(num_decoding)
-        return self.policy.choose(bucket) if bucket in self.policy.step_cost else None
+        bucket, policy = self.runner.decode.bucket(num_decoding), self.traffic_policy()
+        return policy.choose(bucket) if bucket in policy.step_cost else None
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or self._inflight is not None or bool(self._pending)
@@ -356,7 +375,7 @@ class LLMEngine:
         if not step.use_graphs or not self.runner.prefill.fits(batch):
             return True  # nothing to capture (prompt_segment turns a batch that does not fit down)
         padded, tokens = step.bucket(rows), self.runner.prefill.bucket(batch.num_tokens)
-        return step.has_mixed_graph(tree, padded, tokens) or self.policy.settled_on(padded, tree.spec)
+        return step.has_mixed_graph(tree, padded, tokens) or self.traffic_policy().settled_on(padded, tree.spec)
 
     def _commit_prefills(self, prefills: list, batch) -> list[tuple[EngineRequest, int]]:
         """The chunks' KV is (being) written: commit it. -> (request, row of its last prompt token in the
@@ -402,7 +421,7 @@ class LLMEngine:
         the steps before it are read back and applied while it runs, then their targets are made (guides walked
         from the candidates copied ahead of part 1, `_forward`) and part 2 queued, so the host's bookkeeping of
         every row still overlaps the device."""
-        step = self.runner.decode
+        step, policy = self.runner.decode, self.traffic_policy()  # the one whose tree this is
         requests, padded, propose, part1, host, early = self._forward(seqs, tree, prompts)
         timed = timed and self._inflight is not None
         caught = []
@@ -414,7 +433,7 @@ class LLMEngine:
         for seq in seqs:
             seq.num_inflight_tokens += most
         return _InFlight(requests, tree, padded, propose, result, timed, part1.prompt_hidden,
-                         logprobs=self._queue_logprobs(requests, tree, part1, packed)), caught
+                         logprobs=self._queue_logprobs(requests, tree, part1, packed), policy=policy), caught
 
     def _forward(self, seqs: list[Sequence], tree: DeviceTree, prompts: PromptSegment | None):
         """Part 1 of a decode step for `seqs` -> (their requests, padded batch, whether it proposes, part 1, the
@@ -423,7 +442,7 @@ class LLMEngine:
         step = self.runner.decode
         requests = [self.requests[seq.request_id] for seq in seqs]
         sampling = [self._row_sampling(r, tree) for r in requests]
-        propose = self.policy.proposes(step.bucket(len(seqs)), tree.spec)
+        propose = self.traffic_policy().proposes(step.bucket(len(seqs)), tree.spec)
         forced = [self._forced(r, tree.num_lookup) for r in requests] if tree.num_lookup else None
         changes = [self._row_changes(r) for r in requests]
         padded = step.prepare(seqs, [r.row for r in requests], tree, self.blocks, sampling, propose, prompts, forced,
@@ -506,9 +525,9 @@ class LLMEngine:
         share = (applied_at - flights[-1].read_at) / len(flights)
         previous = self._read_back_time
         for flight in flights:
-            if flight.timed and flight.padded in self.policy.step_cost:
-                self.policy.observe_step(flight.padded, flight.tree.spec, flight.read_at - previous + share,
-                                         flight.propose)
+            if flight.timed and flight.padded in flight.policy.step_cost:
+                flight.policy.observe_step(flight.padded, flight.tree.spec, flight.read_at - previous + share,
+                                           flight.propose)
             previous = flight.read_at
         self._read_back_time = applied_at
 
@@ -550,7 +569,7 @@ class LLMEngine:
                     roots[k] = argmax[j] if plain[j] else self._first_token(ready[k][0], raw[j:j + 1])
         # the heads' proposals only where the rows' next steps may speculate: on a 128k vocabulary they
         # are an eager lm_head per admission, which a batch settled on plain decoding would not use
-        propose = self.policy.may_speculate(step.bucket(step.rows_in_use))
+        propose = self.traffic_policy().may_speculate(step.bucket(step.rows_in_use))
         tokens = None
         if step.max_lookup:  # the lookup history: every token before the root (a fresh row's root is new)
             tokens = [(seq := request.seq).token_ids(0, prefill_target(seq)) for request, _ in ready]
@@ -624,25 +643,27 @@ class LLMEngine:
         """One batched verification step for every decoding sequence, read back at once -> (outputs, the
         hidden states [P, H] of the prompt chunks it carried, if any). `timed`: its wall time is the step's
         alone (no prefill ran in this engine step), so the policy learns from it."""
-        start = time.perf_counter()
+        start, policy = time.perf_counter(), self.traffic_policy()  # the one whose tree this is
         requests, padded, propose, part1, host, early = self._forward(seqs, tree, prompts)
         self._verify_on_host(requests, tree, part1, host, early)
         packed = self.runner.decode.finish(tree, padded)[: len(seqs)]
         logprobs = self._queue_logprobs(requests, tree, part1, packed)
         packed = packed.tolist()  # the step's one device-to-host copy (and its logprobs', where asked)
-        outputs = self._apply_rows(requests, tree, packed, noted=self._read_logprobs(requests, logprobs, packed))
-        if timed and padded in self.policy.step_cost:  # the measured policy is on: it learns what steps cost
-            self.policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
+        outputs = self._apply_rows(requests, tree, packed, noted=self._read_logprobs(requests, logprobs, packed),
+                                   policy=policy)
+        if timed and padded in policy.step_cost:  # the measured policy is on: it learns what steps cost
+            policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
         return outputs, part1.prompt_hidden
 
     def _apply_rows(self, requests: list[EngineRequest], tree: DeviceTree, rows: list[list[int]],
                     ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0,
-                    noted: dict[Sequence, list[TokenLogprob]] | None = None) -> list[RequestOutput]:
+                    noted: dict[Sequence, list[TokenLogprob]] | None = None,
+                    policy: TreePolicy | None = None) -> list[RequestOutput]:
         """A step's packed rows (count, D + 1 tokens, deepest accepted node) -> tokens appended up to the
         first stop, KV committed, statistics. Sequences finished or aborted since the launch are skipped
         (the step ran one too many for them; nothing is preempted while a step is in flight).
         `ahead`: sequences whose next step is already scheduled, with `ahead_nodes` tree slots. `noted`: the
-        logprobs of the tokens of the rows that asked."""
+        logprobs of the tokens of the rows that asked. `policy`: the one that chose the step's tree."""
         # drafts came through the lookup chain if the deepest node is on it (no node is, without one: first == N)
         first = tree.first_lookup_node
         drafted, depth = tree.num_nodes - 1, tree.spec.max_depth
@@ -664,7 +685,7 @@ class LLMEngine:
                 commit(seq, count, ahead_nodes if seq in ahead else 0)
             if not request.quiet or seq.is_finished:  # a quiet request is reported once, finished
                 outputs.append(self._output(request, emitted))
-        self._count_step(tree.spec, counts, from_lookup, bests)
+        self._count_step(tree.spec, counts, from_lookup, bests, policy)
         return outputs
 
     def _apply_steps(self, flights: list[_InFlight], ahead: set[Sequence] = frozenset(),
@@ -675,7 +696,8 @@ class LLMEngine:
         can stop it, else step by step up to the stop."""
         if len(flights) == 1:  # every step's case, kept apart: the general loop below is slower for one step
             flight = flights[0]
-            return self._apply_rows(flight.requests, flight.tree, flight.rows, ahead, ahead_nodes, flight.noted)
+            return self._apply_rows(flight.requests, flight.tree, flight.rows, ahead, ahead_nodes, flight.noted,
+                                    flight.policy)
         counts = [[] for _ in flights]  # per step: tokens each recorded row emitted, its deepest accepted node
         bests = [[] for _ in flights]
         from_lookup = [0] * len(flights)
@@ -708,18 +730,20 @@ class LLMEngine:
             if not request.quiet or seq.is_finished:
                 outputs.append(self._output(request, emitted))
         for flight, step_counts, step_bests, looked_up in zip(flights, counts, bests, from_lookup):
-            self._count_step(flight.tree.spec, step_counts, looked_up, step_bests)
+            self._count_step(flight.tree.spec, step_counts, looked_up, step_bests, flight.policy)
         return outputs
 
-    def _count_step(self, spec: TreeSpec, counts: list[int], from_lookup: int = 0, bests: list[int] = ()) -> None:
-        """A decode step's totals, once for the batch: tokens each row emitted (counts), for the policy's
-        acceptance, the engine's statistics and its steps per tree; each row's deepest accepted node (bests),
-        for what the trees inside `spec` would have emitted."""
-        self.policy.observe(spec, sum(counts), len(counts))
+    def _count_step(self, spec: TreeSpec, counts: list[int], from_lookup: int = 0, bests: list[int] = (),
+                    policy: TreePolicy | None = None) -> None:
+        """A decode step's totals, once for the batch: tokens each row emitted (counts), for the acceptance seen
+        by `policy` (the one that chose the tree; None: the greedy one), the engine's statistics and its steps
+        per tree; each row's deepest accepted node (bests), for what the trees inside `spec` would have emitted."""
+        policy = self.policy if policy is None else policy
+        policy.observe(spec, sum(counts), len(counts))
         self.totals.record_steps(spec.num_nodes - 1, spec.max_depth, counts, from_lookup)
         self.steps_per_tree[spec.label] += 1
         if bests and spec.num_nodes > 1:
-            self.policy.observe_subtrees(spec, np.asarray(bests, dtype=np.int64))
+            policy.observe_subtrees(spec, np.asarray(bests, dtype=np.int64))
 
     def _host_rows(self, requests: list[EngineRequest]) -> list[int]:
         """The rows of a step's requests whose verdicts are the host's, as the step was prepared (a row under a
@@ -895,6 +919,13 @@ class LLMEngine:
                 logits = self.model.compute_logits(hidden[start + begin - first: start + end - first])
                 noted += token_logprobs(logits, prompt[begin + 1: end + 1], request.params.prompt_logprobs)
 
+    def _forget(self, sub: str) -> None:
+        """A sequence leaves the engine (finished or aborted): its decode row freed, its sampling uncounted."""
+        request = self.requests.pop(sub, None)
+        if request is not None:
+            self._sampled_seqs -= not request.sampling.greedy
+            self._release_row(request)
+
     def _release_row(self, request: EngineRequest) -> None:
         if request.row is not None:
             self.runner.decode.release_row(request.row)
@@ -908,7 +939,7 @@ class LLMEngine:
             delta = request.new_text + (request.detok.flush() if finished else "")
             request.new_text, text = "", request.detok.text
         if finished:
-            self.requests.pop(seq.request_id, None)
+            self._forget(seq.request_id)
         if request.quiet:  # reported once, finished (`generate`): its one output covers the whole output
             new = seq.output_token_ids[:]
         logprobs = None

@@ -123,3 +123,25 @@ def test_eager_timing_mid_run_leaves_every_request_as_plain_greedy_decoding_has_
     for rid, p in zip(ids, ps):
         plain = [t for chunk in TreeDecoder(model, None, SINGLE).decode(p, 20, SamplingConfig()) for t in chunk]
         assert outputs[rid].token_ids == plain[:20]
+
+
+def test_sampled_traffic_is_decided_by_a_policy_of_its_own(tiny):
+    """Sampled rows accept less than greedy ones: what they teach must not decide greedy traffic's trees (a
+    burst of sampled requests settled a batch size on plain decoding, then greedy requests ran it). Warmup
+    gives both policies its costs; a step's tree, costs and acceptance belong to the one of its traffic."""
+    model, heads = tiny
+    engine = engine_of(model, heads)
+    assert engine.sampled_policy is None and engine.traffic_policy() is engine.policy
+    engine.warmup()
+    greedy, sampled = engine.policy, engine.sampled_policy
+    assert sampled is not None and sampled is not greedy and sampled.step_cost == greedy.step_cost
+    ps = random_prompts(3, VOCAB, 12, seed=4)
+    engine.generate(ps, SamplingParams(max_tokens=8, temperature=0.9, seed=1))
+    assert sampled.observed and not greedy.observed and engine._sampled_seqs == 0
+    seen = dict(sampled.observed)
+    engine.generate(ps, SamplingParams(max_tokens=8))
+    assert greedy.observed and sampled.observed == seen and engine.traffic_policy() is greedy
+    rid = engine.add_request(ps[0], SamplingParams(max_tokens=8, temperature=0.9, n=2))
+    assert engine.traffic_policy() is sampled and engine._sampled_seqs == 2
+    engine.abort(rid)
+    assert engine._sampled_seqs == 0 and engine.traffic_policy() is greedy

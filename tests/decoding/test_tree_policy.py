@@ -499,9 +499,9 @@ def test_the_engine_reports_each_rows_deepest_accepted_node_to_the_policy():
     engine = LLMEngine(model, heads)
     calls, count_step, observe = [], engine._count_step, engine.policy.observe_subtrees
 
-    def counting(spec, counts, from_lookup=0, bests=()):
+    def counting(spec, counts, from_lookup=0, bests=(), policy=None):
         calls.append([spec, list(counts), None])
-        return count_step(spec, counts, from_lookup, bests)
+        return count_step(spec, counts, from_lookup, bests, policy)
 
     def observing(spec, best_nodes):
         assert calls[-1][0] == spec and calls[-1][2] is None
