@@ -171,8 +171,9 @@ class MedusaModel:
         """Generate from a prompt string, chat messages, or token ids.
 
         Greedy (temperature 0) output is identical to plain greedy decoding;
-        sampling is lossless unless acceptance="typical". A list of prompt
-        strings returns a list of results. With stream=True, returns a
+        sampling is lossless unless acceptance="typical". A list of prompts
+        (strings, conversations or token-id lists) runs as one batch on the
+        engine and returns a list of results. With stream=True, returns a
         GenerationStream of text deltas. guided_regex / guided_json (a JSON
         Schema) / guided_grammar (GBNF) / guided_choice hold the answer to a
         pattern, a schema, a grammar or one of the strings (vLLM's; on the
@@ -259,7 +260,7 @@ class MedusaModel:
         largest = own if own is not None and own.num_nodes <= 64 else "tree-64"
         return EngineConfig(trees=("single",) + small + (largest,), prompt_lookup=self.prompt_lookup)
 
-    def _generate_batch(self, prompts: list[str], params: SamplingParams, speculative: bool) -> list[GenerationResult]:
+    def _generate_batch(self, prompts: list, params: SamplingParams, speculative: bool) -> list[GenerationResult]:
         ids = [self.encode(p) for p in prompts]
         start = time.perf_counter()
         outputs = self.engine(speculative).generate(ids, params)
@@ -397,7 +398,11 @@ def generate_params(max_new_tokens: int = 256, stop: str | Sequence[str] | None 
 
 
 def _is_prompt_list(inputs: Any) -> bool:
-    return isinstance(inputs, (list, tuple)) and bool(inputs) and all(isinstance(p, str) for p in inputs)
+    """Several prompts (each a string, a conversation or token ids), not one conversation or one id list."""
+    def listed(p: Any, kind: type) -> bool:
+        return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(x, kind) for x in p)
+
+    return listed(inputs, object) and all(isinstance(p, str) or listed(p, dict) or listed(p, int) for p in inputs)
 
 
 def _eos_ids(base: DecoderModel, tokenizer: Any) -> frozenset[int]:

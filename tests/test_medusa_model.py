@@ -97,6 +97,15 @@ def test_list_of_prompts_returns_a_list(model):
     assert isinstance(outs, list) and len(outs) == 2 and all(len(o.token_ids) == 4 for o in outs)
 
 
+def test_a_list_of_conversations_or_of_id_lists_is_a_batch(model):
+    """Each prompt of a batch may be a conversation or token ids, as one prompt may: the same tokens as alone."""
+    chats = [[{"role": "user", "content": "Hello"}], [{"role": "user", "content": QUESTION}]]
+    batch = model.generate(chats, max_new_tokens=6)
+    assert [o.token_ids for o in batch] == [model.chat(c, max_new_tokens=6).token_ids for c in chats]
+    ids = [model.encode(c) for c in chats]
+    assert [o.token_ids for o in model.generate(ids, max_new_tokens=6)] == [o.token_ids for o in batch]
+
+
 @pytest.mark.parametrize("bad, error", [
     ([{"role": "wizard", "content": "x"}], "role"),
     ([], "empty"),
