@@ -151,6 +151,14 @@ class TreeSpec:
         # looks trees up in dicts dozens of times a step
         return self._hash
 
+    def __copy__(self) -> TreeSpec:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> TreeSpec:
+        # immutable: a copy of a tree policy (LLMEngine.sampled_policy) must hold the same trees, which its
+        # decisions and revisits compare by identity with the trees the engine's steps ran
+        return self
+
     @cached_property
     def _hash(self) -> int:
         return hash((self.paths, self.lookup))  # the fields equality compares

@@ -376,12 +376,14 @@ def near_trees():
     return {1: TreeSpec.from_paths([], name="single"), small.num_nodes: small, big.num_nodes: big}
 
 
-def run_policy(policy, trees, costs, real, steps):
+def run_policy(policy, trees, costs, real, steps, engine_trees=False):
     """Steps at one row; each tree accepts `real` tokens a step except the 8-node tree's first
-    TRIAL_STEPS steps (an unlucky trial at a request's start: 1.8). -> the trees run, in order."""
+    TRIAL_STEPS steps (an unlucky trial at a request's start: 1.8). -> the trees run, in order.
+    engine_trees: observed as `trees`' own objects, as the engine's steps report the trees it made."""
     ran = []
     for _ in range(steps):
         tree = policy.choose(1)
+        tree = trees[tree.num_nodes] if engine_trees else tree
         ran.append(tree.num_nodes)
         unlucky = tree.num_nodes == 8 and ran.count(8) <= TRIAL_STEPS
         policy.observe(tree, 1.8 if unlucky else real[tree.num_nodes], 1)
@@ -425,6 +427,20 @@ def test_a_near_tree_left_behind_by_an_unlucky_trial_is_revisited_and_takes_over
     policy = policy_with(trees, costs, prior)
     ran = run_policy(policy, trees, costs, real, 1000)
     assert policy.decision[1] is trees[32] and {n for n in ran[-500:] if n > 1} == {32}  # plain: revisits
+
+
+def test_a_copied_policy_decides_as_the_original_on_the_engines_trees():
+    """LLMEngine.sampled_policy is a deep copy of the greedy policy, driven with the engine's own trees: its
+    decisions and revisits compare trees by identity, so the copy must hold those same trees (a copy that
+    copied them never ended a revisit)."""
+    import copy
+
+    costs = {1: {1: 0.6, 8: 0.92, 32: 1.2}}
+    prior, real = {1: 1.0, 8: 2.02, 32: 2.72}, {1: 1.0, 8: 2.46, 32: 2.72}
+    trees = near_trees()
+    ran = run_policy(policy_with(trees, costs, prior), trees, costs, real, 1000)
+    copied = copy.deepcopy(policy_with(trees, costs, prior))
+    assert run_policy(copied, trees, costs, real, 1000, engine_trees=True) == ran
 
 
 def test_a_tree_inside_the_decided_one_is_not_revisited():
