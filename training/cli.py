@@ -81,7 +81,8 @@ def _eval(args) -> int:
     tree = TreeSpec.load(args.tree) if args.tree else TreeSpec.from_paths(heads.config.tree or [], name="heads")
     pool = gather_conversations(config)
     cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"
-    _, heldout = self_distill(base, tokenizer, pool, model_id, config.data, cache, config.seed, system_prompt, eos)
+    _, heldout = self_distill(base, tokenizer, pool, model_id, config.data, cache, config.seed, system_prompt, eos,
+                              train=False)  # the held-out split is all eval reads
     subset = _first(heldout, config.eval.max_sequences)
     rank = max(config.eval.max_rank, max(tree.topk_per_depth, default=1))
     result = evaluate_heads(base, heads, batches(subset, config.train.max_tokens_per_batch, 0, 0), tree, rank)
@@ -108,7 +109,7 @@ def eval_config(args):
         config, source = load_config(None, args.overrides), "the defaults"
         print(f"medusa-train eval: no --config and no {saved} (a `medusa-train train` run writes it next to "
               "heads/), so the data settings are the defaults: unless their cache exists, this first self-distils "
-              "the default prompts (GSM8K train + Self-Instruct, train and held-out splits) with the base model, "
+              "the default prompts' held-out split (GSM8K train + Self-Instruct) with the base model, "
               "hours on a CPU. To use a run's cached data, pass --config <its recipe> output_dir=<its output_dir> "
               "(or data.cache_dir=<its cache>).", file=sys.stderr)
     cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"

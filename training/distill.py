@@ -170,15 +170,17 @@ def distill_knobs(settings: DataSection) -> dict[str, Any]:
 
 
 def self_distill(model: DecoderModel, tokenizer: Any, pool: PromptPool, model_id: str, settings: DataSection,
-                 cache_dir: Path, seed: int, system_prompt: str | None,
-                 eos_ids: Sequence[int]) -> tuple[Sequences, Sequences]:
-    """(train, held-out) sequences, from the cache when model, files and settings match."""
+                 cache_dir: Path, seed: int, system_prompt: str | None, eos_ids: Sequence[int],
+                 train: bool = True) -> tuple[Sequences | None, Sequences]:
+    """(train, held-out) sequences, from the cache when model, files and settings match. train=False: the
+    held-out split alone (`medusa-train eval`), the train split only if it is cached (None otherwise), since its
+    answers are most of the generation."""
     knobs = {**distill_knobs(settings), "seed": seed, "system_prompt": system_prompt}
     only = {"train": context_knobs(settings), "heldout": {}}  # held-out keeps its cache when context tasks change
     manifests = {split: manifest_for(model_id, pool.sources, {**knobs, **only[split], "split": split},
                                      len(pool.conversations)) for split in ("train", "heldout")}
     cached = {split: load_cached(cache_dir / split, manifest) for split, manifest in manifests.items()}
-    if all(v is not None for v in cached.values()):
+    if cached["heldout"] is not None and (cached["train"] is not None or not train):
         return cached["train"], cached["heldout"]
     conversations, samples = list(pool.conversations), list(pool.samples)
     if settings.self_prompts:
@@ -187,7 +189,7 @@ def self_distill(model: DecoderModel, tokenizer: Any, pool: PromptPool, model_id
         samples += [settings.samples_per_prompt] * len(written)
     prompts = [chat_prompt_ids(tokenizer, conv, system_prompt) for conv in conversations]
     train_idx, held_idx = split_prompts(len(prompts), settings.holdout_fraction, seed)
-    if cached["train"] is None:
+    if train and cached["train"] is None:
         cached["train"] = distill_train(model, tokenizer, [conversations[i] for i in train_idx],
                                         [prompts[i] for i in train_idx], [samples[i] for i in train_idx],
                                         settings, eos_ids, seed, system_prompt)

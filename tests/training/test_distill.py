@@ -73,6 +73,22 @@ def test_samples_followups_masks_and_cache(model, chat_tokenizer, tmp_path, monk
     assert single.loss_mask is None and len(single) == len(train)
 
 
+def test_the_held_out_split_alone_is_distilled_for_eval(model, chat_tokenizer, tmp_path, monkeypatch):
+    """medusa-train eval reads only the held-out split: train=False answers its prompts alone (the train split's
+    answers are most of the generation), the same sequences a full run caches."""
+    settings = data_section(tmp_path)
+    pool = gather_prompts(settings, seed=0)
+    train, held = self_distill(model, chat_tokenizer, pool, "tiny", settings, tmp_path / "alone", 0, SYSTEM, EOS,
+                               train=False)
+    assert train is None and len(held) == 3 and not (tmp_path / "alone" / "train").exists()
+    _, (_, full_held) = run(model, chat_tokenizer, tmp_path, settings)
+    assert torch.equal(held.tokens, full_held.tokens)
+    monkeypatch.setattr(distill, "generate_padded", no_generation)
+    train, again = self_distill(model, chat_tokenizer, pool, "tiny", settings, tmp_path / "cache", 0, SYSTEM, EOS,
+                                train=False)  # both cached: both returned, nothing generated
+    assert train is not None and torch.equal(again.tokens, held.tokens)
+
+
 def test_self_prompts_join_the_pool_and_are_cached(model, chat_tokenizer, tmp_path, monkeypatch):
     tok = chat_tokenizer
     prefix = open_user_turn_ids(tok, SYSTEM)
