@@ -346,6 +346,20 @@ def test_a_seeded_request_draws_the_same_tokens_beside_a_top_p_row(tiny):
     assert beside[0].token_ids == alone.token_ids
 
 
+def engine_recording_captures(model, heads, monkeypatch, record):
+    """A CPU engine standing in for a GPU's in warmup: graphs on, prefill captures skipped, each tree's step
+    timed by its node count, and each decode-graph capture passed to record(tree, padded, sampling, propose,
+    prompts) instead of made."""
+    engine = make_engine(model, heads, max_num_seqs=4, max_num_batched_tokens=64)
+    step = engine.runner.decode
+    monkeypatch.setattr(step, "use_graphs", True)
+    monkeypatch.setattr(engine.runner.prefill, "capture_all", lambda: None)
+    monkeypatch.setattr(step, "time_step", lambda tree, padded, *args, **kwargs: 1e-4 * (10 + tree.num_nodes))
+    monkeypatch.setattr(step, "capture", lambda tree, padded, sampling=False, propose=True, prompts=None:
+                        record(tree, padded, sampling, propose, prompts))
+    return engine
+
+
 def test_warmup_captures_sampled_steps_graphs_when_asked(tiny, monkeypatch):
     """The graph calls warmup makes, on a CPU standing in for a GPU: with sampling=True, every (batch bucket,
     tree) whose greedy graphs it captures for prompt chunks also gets its sampled graphs, with and without
@@ -354,14 +368,11 @@ def test_warmup_captures_sampled_steps_graphs_when_asked(tiny, monkeypatch):
     model, heads = tiny
     captured = {}
     for sampling in (False, True):
-        engine = make_engine(model, heads, max_num_seqs=4, max_num_batched_tokens=64)
-        step, calls = engine.runner.decode, []
-        monkeypatch.setattr(step, "use_graphs", True)
-        monkeypatch.setattr(engine.runner.prefill, "capture_all", lambda: None)
-        monkeypatch.setattr(step, "time_step", lambda tree, padded, *args, **kwargs: 1e-4 * (10 + tree.num_nodes))
-        monkeypatch.setattr(step, "capture", lambda tree, padded, sampling=False, propose=True, prompts=None:
-                            calls.append((padded, tree.spec.label, sampling, prompts.num_tokens if prompts else 0,
-                                          propose or tree.num_nodes > 1)))
+        calls = []
+        engine = engine_recording_captures(model, heads, monkeypatch, lambda tree, padded, sampling, propose, prompts:
+                                           calls.append((padded, tree.spec.label, sampling,
+                                                         prompts.num_tokens if prompts else 0,
+                                                         propose or tree.num_nodes > 1)))
         chosen = engine.warmup(sampling=sampling)
         captured[sampling] = calls
     greedy, both = set(captured[False]), set(captured[True])
@@ -385,13 +396,9 @@ def test_warmup_captures_the_mixed_graphs_of_every_tree_a_bucket_tries(tiny, mon
     from medusa.decoding.tree_policy import TreePolicy
 
     model, heads = tiny
-    engine = make_engine(model, heads, max_num_seqs=4, max_num_batched_tokens=64)
-    step, calls = engine.runner.decode, []
-    monkeypatch.setattr(step, "use_graphs", True)
-    monkeypatch.setattr(engine.runner.prefill, "capture_all", lambda: None)
-    monkeypatch.setattr(step, "time_step", lambda tree, padded, *args, **kwargs: 1e-4 * (10 + tree.num_nodes))
-    monkeypatch.setattr(step, "capture", lambda tree, padded, sampling=False, propose=True, prompts=None:
-                        calls.append((padded, tree.spec.label, prompts is not None)))
+    calls = []
+    engine = engine_recording_captures(model, heads, monkeypatch, lambda tree, padded, sampling, propose, prompts:
+                                       calls.append((padded, tree.spec.label, prompts is not None)))
     monkeypatch.setattr(TreePolicy, "trial_trees", lambda self, bucket: list(self.step_cost[bucket]))
     chosen = engine.warmup()
     for b in chosen:
