@@ -206,7 +206,8 @@ class LLMEngine:
         for index in range(params.n):
             # unseeded: a random seed, so that each output position's noise is fixed before its draw and the
             # heads can propose under it (`DecodeStep._coupled_proposals`); draws stay independent
-            seed = random.getrandbits(64) if params.seed is None else (params.seed + index) % 2**63
+            seed = params.seed_for(index)
+            seed = random.getrandbits(64) if seed is None else seed
             sub = rid if params.n == 1 else f"{rid}#{index}"
             detok = make_detokenizer(self.tokenizer, params)
             # prompt logprobs need every prompt position's hidden state: none may come from the prefix cache

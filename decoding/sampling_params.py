@@ -76,6 +76,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if isinstance(self.stop, str):  # one stop string, as the OpenAI API allows
             object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        elif not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
         for text in self.stop:
             if not isinstance(text, str) or not text:
@@ -203,6 +207,11 @@ class SamplingParams:
     def has_count_penalties(self) -> bool:
         """Whether a penalty that counts the output's tokens applies: repetition, presence or frequency."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def seed_for(self, index: int) -> int | None:
+        """The seed of completion `index` of n: seed + index, wrapped into [0, 2**63) (None: unseeded). The
+        engine seeds its n sequences so, and the server its n single-completion requests, alike."""
+        return None if self.seed is None else (self.seed + index) % 2**63
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

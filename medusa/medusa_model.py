@@ -375,24 +375,14 @@ def _is_speculative(tree: TreeSpec | str | None) -> bool:
     return tree not in (None, "single", "auto")
 
 
-def _stop_strings(stop: Any) -> list[str]:
-    """generate's stop= (a string, strings, or None) -> a list; TypeError naming stop otherwise."""
-    stops = [stop] if isinstance(stop, str) else stop
-    if stops is None:
-        return []
-    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
-    return list(stops)
-
-
 def generate_params(max_new_tokens: int = 256, stop: str | Sequence[str] | None = None,
                     guided_choice: Sequence[str] | None = None, **settings: Any) -> SamplingParams:
     """`MedusaModel.generate`'s settings as the engine's SamplingParams, which checks them all (types and
     ranges); its errors name the engine's max_tokens, which generate calls max_new_tokens. The CLI checks
     its options with this before it loads a model."""
     try:
-        return SamplingParams(max_tokens=max_new_tokens, stop=tuple(_stop_strings(stop)),
-                              guided_choice=tuple(guided_choice or ()), **settings)
+        return SamplingParams(max_tokens=max_new_tokens, stop=stop, guided_choice=tuple(guided_choice or ()),
+                              **settings)
     except (TypeError, ValueError) as err:
         raise type(err)(str(err).replace("max_tokens", "max_new_tokens")) from None
 

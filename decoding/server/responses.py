@@ -39,18 +39,17 @@ async def engine_outputs(engine: AsyncLLMEngine, job: Job, live: set[asyncio.Que
     """Merge the job's engine streams, one per choice. `live` holds the queue while it runs, so the
     server can push a shutdown notice (choice None) into it.
 
-    Each choice is its own n=1 engine request (seeded (seed + j) mod 2**63, as the engine seeds its n
+    Each choice is its own n=1 engine request (seeded `SamplingParams.seed_for(j)`, as the engine seeds its n
     sequences): AsyncLLMEngine.generate ends at the first finished output, so one request with
     n > 1 would lose its other sequences' endings. Prefix caching still shares the prompt's KV.
     """
     queue: asyncio.Queue = asyncio.Queue()
-    n, seed = job.params.n, job.params.seed
+    n = job.params.n
 
     async def pump(choice: int, ids: list[int]) -> None:
         try:  # anything that goes wrong, building the params included, must reach the reader, or it waits forever
-            j = choice % n
-            # wrapped into SamplingParams' [0, 2**63) as the engine wraps its n seeds: seed -1 arrives as 2**63 - 1
-            params = replace(job.params, n=1, seed=None if seed is None else (seed + j) % 2**63)
+            # choice j samples as the engine's sequence j of n would (seed -1 arrives as 2**63 - 1 and wraps)
+            params = replace(job.params, n=1, seed=job.params.seed_for(choice % n))
             async for out in engine.generate(ids, params, request_id=f"{job.request_id}-{choice}"):
                 queue.put_nowait((choice, out))
         except Exception as err:  # reaches the reader, which turns it into an error object
