@@ -29,8 +29,9 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from medusa.paths import tree_dirs
+
 TreePath = tuple[int, ...]
-TREES_DIR = Path(__file__).resolve().parent.parent / "configs" / "trees"
 MAX_NODES = 64  # the engine's kernels pack a node's ancestors into one int64
 LOOKUP_SUFFIX = "+lookup"  # with_lookup names a variant "<name>+lookup<L>"
 
@@ -367,13 +368,14 @@ class TreeSpec:
 
     @classmethod
     def load(cls, path_or_name: str | Path) -> "TreeSpec":
-        """Load a JSON file, or a named tree from configs/trees when given a bare name."""
+        """Load a JSON file, or a named tree when given a bare name: a shipped one (configs/trees) or one
+        `medusa-train train --tree-name` wrote (medusa.paths.user_trees_dir)."""
         text = str(path_or_name)
         is_name = (isinstance(path_or_name, str) and "/" not in text and "\\" not in text
                    and not text.endswith(".json"))
         if is_name:
-            file = TREES_DIR / f"{text}.json"
-            if not file.is_file():
+            file = next((d / f"{text}.json" for d in tree_dirs() if (d / f"{text}.json").is_file()), None)
+            if file is None:
                 raise ValueError(f"unknown tree {text!r}; available: "
                                  f"{', '.join(available_trees()) or '(none)'}")
         else:
@@ -401,5 +403,5 @@ def _format_json(d: dict[str, Any]) -> str:
 
 
 def available_trees() -> list[str]:
-    """Names of the trees shipped in configs/trees, sorted."""
-    return sorted(p.stem for p in TREES_DIR.glob("*.json"))
+    """Names of the shipped trees (configs/trees) and of the user's named trees, sorted."""
+    return sorted({p.stem for d in tree_dirs() for p in d.glob("*.json")})

@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+from medusa.paths import new_tree_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     train = commands.add_parser("train", help="self-distil, train heads, search their tree")
     train.add_argument("--config", default=None, help="recipe name in configs/train/ or a YAML path")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    train.add_argument("--tree-name", default=None, help="also write the searched tree to configs/trees/<name>.json")
+    train.add_argument("--tree-name", default=None,
+                       help="also save the searched tree as a named tree (configs/trees/<name>.json in a source "
+                       "checkout, ~/.config/medusa/trees/ for an installed package, or $MEDUSA_TREES_DIR)")
     train.add_argument("overrides", nargs="*", help="section.key=value (e.g. train.lr=5e-4)")
     train.set_defaults(run=_train)
     ev = commands.add_parser("eval", help="head accuracy and accepted length on held-out data")
@@ -47,6 +52,8 @@ def _train(args) -> int:
     from medusa.training.trainer import TrainingDivergedError
 
     config = load_config(args.config, args.overrides)
+    # a taken name fails now, not after training
+    tree_file = new_tree_file(args.tree_name) if args.tree_name is not None else None
     try:
         summary = run_training(config, resume=args.resume, tree_name=args.tree_name)
     except TrainingDivergedError as err:
@@ -54,19 +61,27 @@ def _train(args) -> int:
         return 3
     if not summary:  # not the main process of a multi-process run: the main one reports
         return 0
-    if args.tree_name:
-        from pathlib import Path
-
-        from medusa.tree import TREES_DIR, TreeSpec
-
-        TreeSpec.load(Path(config.output_dir) / "heads" / "tree.json").save(TREES_DIR / f"{args.tree_name}.json")
+    if tree_file is not None:
+        _write_named_tree(Path(config.output_dir) / "heads" / "tree.json", tree_file)
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
     return 0
 
 
-def _eval(args) -> int:
-    from pathlib import Path
+def _write_named_tree(searched: Path, target: Path) -> None:
+    """Copy the run's searched tree to its named file, never over an existing one (a run of the same name
+    may have finished meanwhile); the tree stays with the heads either way."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(target, "x") as out:
+            out.write(searched.read_text())
+    except FileExistsError:
+        print(f"medusa-train train: {target} appeared during the run; the tree is left only in {searched}",
+              file=sys.stderr)
+        return
+    print(f"medusa-train train: tree {target.stem!r} written to {target}", file=sys.stderr)
 
+
+def _eval(args) -> int:
     from medusa.heads import MedusaHeads
     from medusa.training.data import batches
     from medusa.training.distill import self_distill
@@ -96,8 +111,6 @@ def eval_config(args):
     """The settings that define eval's held-out data: --config, else the run's own saved config (heads are saved
     to <output_dir>/heads, the config to <output_dir>/train_config.json), else the defaults, said loudly: they
     mean self-distilling the default prompts first, hours on a CPU, unless their cache exists."""
-    from pathlib import Path
-
     from medusa.training.config import SAVED_CONFIG, load_config, load_saved_config
 
     saved = Path(args.heads).parent / SAVED_CONFIG

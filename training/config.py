@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "configs" / "train"
+from medusa.paths import RECIPES_DIR
+
 
 # Prompt kinds built from the train split's own texts (training/context_tasks.py), after Spec-Bench's
 # weakest categories: summarization, retrieval-augmented QA, German->English translation, short QA.

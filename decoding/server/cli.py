@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from medusa.paths import TEMPLATES_DIR
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from medusa.decoding.kv_budget import CPU_BLOCKS
@@ -127,9 +129,6 @@ def configure_logging(level: str) -> None:
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))  # beside uvicorn's lines
     medusa.addHandler(handler)
     medusa.setLevel(level.upper())
-
-
-TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "configs" / "chat_templates"
 
 
 def _chat_template(given: str | None) -> str | None:

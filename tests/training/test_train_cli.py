@@ -9,7 +9,7 @@ import pytest
 
 from medusa.training import cli, pipeline
 from medusa.training.config import RECIPES_DIR, load_config, load_saved_config
-from medusa.tree import TreeSpec
+from medusa.tree import TreeSpec, available_trees
 
 
 def test_help_examples_name_trees_that_exist():
@@ -70,3 +70,38 @@ def test_every_recipe_survives_its_saved_round_trip(tmp_path, recipe):
     config = load_config(recipe)
     (tmp_path / "train_config.json").write_text(json.dumps(config.to_dict()))
     assert load_saved_config(tmp_path / "train_config.json") == dataclasses.replace(config, output_dir=str(tmp_path))
+
+
+def fake_training(monkeypatch, tree: TreeSpec):
+    """run_training replaced by one that leaves a searched tree with the heads, as the real one does."""
+    calls = []
+
+    def run(config, resume=False, tree_name=None):
+        calls.append(tree_name)
+        heads = pipeline.Path(config.output_dir) / "heads"
+        heads.mkdir(parents=True, exist_ok=True)
+        TreeSpec(tree.paths, name=tree_name).save(heads / "tree.json")
+        return {"top1": [0.5]}
+
+    monkeypatch.setattr(pipeline, "run_training", run)
+    return calls
+
+
+def test_tree_name_saves_a_named_tree_that_loads_by_name(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEDUSA_TREES_DIR", str(tmp_path / "trees"))
+    calls = fake_training(monkeypatch, TreeSpec.load("tree-8"))
+    argv = ["train", "--tree-name", "mine-8", f"output_dir={tmp_path / 'run'}"]
+    assert cli.main(argv) == 0
+    assert (tmp_path / "trees" / "mine-8.json").is_file() and "mine-8" in available_trees()
+    assert TreeSpec.load("mine-8").paths == TreeSpec.load("tree-8").paths
+    assert cli.main(argv) == 2 and len(calls) == 1  # the second run stops before training: nothing overwritten
+    assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tree-32", "../escape", "sub/dir", "x.json", ""])
+def test_tree_name_taken_or_not_a_file_stem_fails_before_training(tmp_path, monkeypatch, capsys, name):
+    monkeypatch.setenv("MEDUSA_TREES_DIR", str(tmp_path / "trees"))
+    calls = fake_training(monkeypatch, TreeSpec.load("tree-8"))
+    assert cli.main(["train", "--tree-name", name, f"output_dir={tmp_path / 'run'}"]) == 2
+    assert calls == [] and repr(name) in capsys.readouterr().err
+    assert TreeSpec.load("tree-32").num_nodes == 32  # the shipped tree is untouched
