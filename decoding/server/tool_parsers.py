@@ -90,6 +90,7 @@ class CallArray(ToolCallParser):
         self.key: str | None = None  # the element's key whose value comes next
         self.name: str | None = None
         self.in_arguments = False
+        self.unused = ""  # the text since the last character that went into a call's arguments
 
     def feed(self, text: str) -> Delta:
         added: dict[int, str] = {}  # call index -> its arguments text in this delta (in order)
@@ -103,7 +104,15 @@ class CallArray(ToolCallParser):
             if self.in_arguments or was_in:  # from the opening "{" to the closing "}" included
                 index = len(self.calls) - 1
                 added[index] = added.get(index, "") + char
+                self.unused = ""
+            else:
+                self.unused += char
         return "", [self._more(index, arguments, first=index in new) for index, arguments in added.items()]
+
+    def finish(self) -> Delta:
+        """An array cut short (max_tokens) outside any parameters, e.g. inside a name, ends with text that is
+        no call: it becomes content, so the answer keeps what the model wrote."""
+        return (self.unused, []) if self.depth > 0 and self.unused.strip() else ("", [])
 
     def _step(self, char: str) -> None:
         if self.in_string:

@@ -56,7 +56,23 @@ def test_a_call_array_streams_each_elements_parameters_as_its_arguments():
 def test_a_call_array_cut_short_keeps_the_arguments_written():
     cut = ARRAY.index('"Pa}') + 2
     content, calls, _ = run(CallArray(), [ARRAY[:cut]])
-    assert calls == [("get_weather", '{"city": "P')]
+    assert calls == [("get_weather", '{"city": "P')] and content == ""
+
+
+FIRST = ("get_weather", '{"city": "Pa}{ris\\"", "days": [1, {"x": null}]}')
+
+
+@pytest.mark.parametrize("cut, calls_before, content", [
+    ('"get_', [], '[{"name": "get_'),  # inside the first name: no call yet
+    (', {"name"', [FIRST], '}, {"name"'),  # the second element started
+    ('"now"', [FIRST], '}, {"name":"now"'),  # its name written, its parameters not
+])
+def test_a_call_array_cut_outside_parameters_keeps_the_rest_as_content(cut, calls_before, content):
+    text = ARRAY[:ARRAY.index(cut) + len(cut)]
+    for pieces in splits(text):
+        got_content, calls, deltas = run(CallArray(), pieces)
+        assert (got_content, calls, summed(deltas)) == (content, calls_before, calls_before)
+    assert run(CallArray(), [ARRAY])[0] == ""  # a closed array leaves no content
 
 
 def test_a_named_call_is_the_whole_answer():

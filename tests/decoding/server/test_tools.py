@@ -127,6 +127,16 @@ def test_required_answers_with_calls_of_the_given_tools(client):
         assert one["message"]["tool_calls"][0]["function"]["name"] in ("get_weather", "now")
 
 
+def test_required_cut_before_any_parameters_answers_with_the_text_written(client):
+    """max_tokens ends the array inside its first element: no call, and the text is the answer's content."""
+    choice = chat(client, tools=[WEATHER, NOW], tool_choice="required", temperature=0, max_tokens=3)
+    assert choice["finish_reason"] == "length" and choice["message"]["tool_calls"] == []
+    assert choice["message"]["content"].startswith("[")
+    content, deltas, finish = streamed(client, tools=[WEATHER, NOW], tool_choice="required", temperature=0,
+                                       max_tokens=3)
+    assert (content, deltas, finish) == (choice["message"]["content"], [], "length")
+
+
 def test_none_answers_in_text_and_the_tools_reach_the_template(client, hermes_client):
     plain = chat(client, temperature=0)
     with_tools = chat(client, tools=[WEATHER], tool_choice="none", temperature=0)
