@@ -50,6 +50,26 @@ class GenerationResult:
         return sum(self.accepted_lengths) / max(self.steps, 1)
 
 
+def written_lengths(step_lengths: list[int], written: int) -> list[int]:
+    """Each verification step's tokens in the answer. A last step may verify tokens past max_new_tokens or a stop:
+    they are not written, so they are cut and the lengths sum to `written` (the answer's tokens, plus the EOS or
+    stop token that ended it: a step did emit that one)."""
+    lengths, left = [], written
+    for n in step_lengths:
+        if left <= 0:
+            break
+        lengths.append(min(n, left))
+        left -= lengths[-1]
+    return lengths
+
+
+def _engine_written(out) -> int:
+    """The tokens an engine output's verification steps wrote: its tokens, less the first (the prefill's), plus the
+    stop token that ended it (EOS or a stop_token_id; not in token_ids)."""
+    ended_on_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+    return max(len(out.token_ids) + ended_on_token - 1, 0)
+
+
 class GenerationStream:
     """Iterate for text deltas as tokens are accepted; `.result` once it is exhausted."""
 
@@ -225,7 +245,8 @@ class MedusaModel:
                 yield last.new_text
         seconds = time.perf_counter() - start
         return GenerationResult(text=last.text, token_ids=list(last.token_ids), finish_reason=last.finish_reason,
-                                prompt_tokens=len(prompt_ids), accepted_lengths=list(last.stats.accepted_lengths),
+                                prompt_tokens=len(prompt_ids),
+                                accepted_lengths=written_lengths(last.stats.accepted_lengths, _engine_written(last)),
                                 tokens_per_second=len(last.token_ids) / max(seconds, 1e-9))
 
     def engine(self, speculative: bool = True) -> LLMEngine:
@@ -266,7 +287,8 @@ class MedusaModel:
         outputs = self.engine(speculative).generate(ids, params)
         seconds = time.perf_counter() - start  # the batch's wall time: requests share it
         return [GenerationResult(text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason,
-                                 prompt_tokens=len(p), accepted_lengths=list(o.stats.accepted_lengths),
+                                 prompt_tokens=len(p),
+                                 accepted_lengths=written_lengths(o.stats.accepted_lengths, _engine_written(o)),
                                  tokens_per_second=len(o.token_ids) / max(seconds, 1e-9))
                 for o, p in zip(outputs, ids)]
 
@@ -334,16 +356,17 @@ class MedusaModel:
         detok = IncrementalDetokenizer(self.tokenizer, stops)
         finish = "length"
         emitted: list[int] = []
+        ended_on_eos = False
         for tokens in decoder.decode(prompt_ids, max_new_tokens, sampling, acceptance):
             tokens = tokens[: max_new_tokens - len(emitted)]
             eos_at = next((i for i, t in enumerate(tokens) if t in self.eos_token_ids), None)
             if eos_at is not None:
-                tokens, finish = tokens[:eos_at], "stop"
+                tokens, finish, ended_on_eos = tokens[:eos_at], "stop", True
             delta = ""
             for i, token in enumerate(tokens):  # one at a time: stop exactly at the stop string's token
                 delta += detok.add([token])
                 if detok.stopped:
-                    tokens, finish = tokens[: i + 1], "stop"
+                    tokens, finish, ended_on_eos = tokens[: i + 1], "stop", False
                     break
             emitted.extend(tokens)
             if delta:
@@ -355,7 +378,8 @@ class MedusaModel:
             yield tail
         stats = decoder.stats
         return GenerationResult(text=detok.text, token_ids=emitted, finish_reason=finish,
-                                prompt_tokens=len(prompt_ids), accepted_lengths=list(stats.accepted_lengths),
+                                prompt_tokens=len(prompt_ids),
+                                accepted_lengths=written_lengths(stats.accepted_lengths, len(emitted) + ended_on_eos),
                                 tokens_per_second=len(emitted) / max(stats.prefill_seconds + stats.decode_seconds, 1e-9))
 
 

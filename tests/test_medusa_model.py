@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from medusa.attention import CausalAttention
-from medusa.medusa_model import MedusaModel
+from medusa.medusa_model import MedusaModel, written_lengths
 
 pytestmark = pytest.mark.slow
 QUESTION = "A baker makes 24 muffins and sells them in boxes of 4. How many boxes does she sell?"
@@ -43,6 +43,18 @@ def test_stream_equals_non_stream_and_reports_stats(model):
     assert full.mean_accepted_length == pytest.approx(sum(full.accepted_lengths) / full.steps)
     assert full.mean_accepted_length > 1.0  # the shipped heads do accept on a math prompt
     assert full.tokens_per_second > 0
+    # the steps' lengths sum to the tokens written (plus the EOS that ended it), whatever the last step verified;
+    # the engine's steps leave out the first token (its prefill's), the batch-1 decoder's first step counts it
+    batch = model.generate([QUESTION, "Say yes."], max_new_tokens=9)
+    overshot = model.chat("Say yes.", max_new_tokens=40, tree="tree-16")  # its last step verified 43 tokens
+    for result, prefill_token in ((full, 0), (overshot, 0), (batch[0], 1), (batch[1], 1)):
+        written = len(result.token_ids) + (result.finish_reason == "stop") - prefill_token
+        assert sum(result.accepted_lengths) == written
+
+
+def test_written_lengths_cut_what_the_last_steps_verified_past_the_end():
+    assert written_lengths([3, 4, 4], 9) == [3, 4, 2]
+    assert written_lengths([3, 4], 7) == [3, 4] and written_lengths([3, 4, 1], 7) == [3, 4]
 
 
 def test_a_plain_answer_that_ends_accepts_one_token_a_step(model):
