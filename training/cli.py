@@ -87,9 +87,11 @@ def _eval(args) -> int:
     from medusa.training.distill import self_distill
     from medusa.training.evaluate import evaluate_heads
     from medusa.training.pipeline import _first, gather_conversations, load_base
+    from medusa.training.prompt_mix import source_specs
     from medusa.tree import TreeSpec
 
     config = eval_config(args)
+    source_specs(config.data)  # the held-out split is distilled from them: a missing file fails before loading
     base, tokenizer, model_id, system_prompt, eos = load_base(args.model or config.model)
     device = base.lm_head.weight.device
     heads = MedusaHeads.from_pretrained(args.heads, lm_head_weight=base.lm_head.weight).float().to(device)

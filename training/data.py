@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, str]]
 
-# ../shared/data next to the repository: the prompt sources listed in SOURCES.md.
+# ../shared/data next to the repository (a source checkout's; $MEDUSA_DATA_DIR elsewhere): the prompt sources
+# listed in SOURCES.md.
 DATA_DIR = Path(os.environ.get("MEDUSA_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 DEFAULT_SOURCES: tuple[Path, ...] = tuple(
     DATA_DIR / name
@@ -54,7 +55,8 @@ def default_sources() -> list[Path]:
     if not found:
         raise FileNotFoundError(
             f"none of the default prompt sources exist in {DATA_DIR} "
-            f"(expected {', '.join(p.name for p in DEFAULT_SOURCES)}); pass prompt files explicitly"
+            f"(expected {', '.join(p.name for p in DEFAULT_SOURCES)}): set $MEDUSA_DATA_DIR to the folder that "
+            f"holds them, or name prompt files with data.sources=[a.jsonl,b.jsonl]"
         )
     return found
 

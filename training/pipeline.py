@@ -16,7 +16,7 @@ from medusa.training.config import TrainConfig
 from medusa.training.data import Sequences, batches
 from medusa.training.distill import self_distill
 from medusa.training.evaluate import EvalResult, evaluate_heads
-from medusa.training.prompt_mix import PromptPool, gather_prompts
+from medusa.training.prompt_mix import PromptPool, gather_prompts, source_specs
 from medusa.training.trainer import Trainer, latest_checkpoint, no_checkpoint_message
 from medusa.tree import TreeSpec
 
@@ -54,6 +54,7 @@ def run_training(config: TrainConfig, resume: bool = False, tree_name: str | Non
     output = Path(config.output_dir)
     if resume and latest_checkpoint(output) is None:  # before minutes of self-distillation, not after
         raise FileNotFoundError(no_checkpoint_message(output))
+    source_specs(config.data)  # missing prompt files: before the model loads and anything is written
     if state.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
         (output / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from medusa.chat import chat_prompt_ids, validate_messages
 from medusa.training.config import DataSection, SourceSpec
-from medusa.training.data import default_sources, load_conversations, resolve_source
+from medusa.training.data import DATA_DIR, default_sources, load_conversations, resolve_source
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +62,22 @@ class PromptPool:
     sources: list[Path]  # files read, in order (their hashes go into the cache manifest)
 
 
+def source_specs(data: DataSection) -> list[tuple[SourceSpec, Path]]:
+    """Each prompt source with its resolved file; raises naming every file that is missing, so a run fails
+    before it loads a model, not minutes into it."""
+    specs = data.sources if data.sources else [SourceSpec(path=str(p)) for p in default_sources()]
+    resolved = [(spec, resolve_source(spec.path)) for spec in specs]
+    missing = [str(path) for _, path in resolved if not path.is_file()]
+    if missing:
+        raise FileNotFoundError(f"prompt source not found: {', '.join(missing)} (relative names are also looked "
+                                f"for in {DATA_DIR}; set $MEDUSA_DATA_DIR to change that folder)")
+    return resolved
+
+
 def gather_prompts(data: DataSection, seed: int) -> PromptPool:
     """Every source's conversations, capped by its `max_prompts` (a seeded subset)."""
-    specs = data.sources if data.sources else [SourceSpec(path=str(p)) for p in default_sources()]
     conversations, samples, paths = [], [], []
-    for spec in specs:
-        path = resolve_source(spec.path)
+    for spec, path in source_specs(data):
         found = cap_prompts(load_conversations(path, spec.columns, limit=data.limit), spec.max_prompts, seed, path.name)
         per_prompt = data.samples_per_prompt if spec.samples_per_prompt is None else spec.samples_per_prompt
         conversations += found

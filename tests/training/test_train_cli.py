@@ -105,3 +105,23 @@ def test_tree_name_taken_or_not_a_file_stem_fails_before_training(tmp_path, monk
     assert cli.main(["train", "--tree-name", name, f"output_dir={tmp_path / 'run'}"]) == 2
     assert calls == [] and repr(name) in capsys.readouterr().err
     assert TreeSpec.load("tree-32").num_nodes == 32  # the shipped tree is untouched
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_missing_prompt_file_fails_before_loading_and_names_it(tmp_path, monkeypatch, capsys, command):
+    monkeypatch.setattr(pipeline, "load_base", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    missing = tmp_path / "nowhere.jsonl"
+    if command == "train":
+        argv = ["train", f"output_dir={tmp_path / 'run'}", f"data.sources=[{missing}]"]
+    else:
+        argv = ["eval", "--heads", str(saved_run(tmp_path, f"data.sources=[{missing}]") / "heads")]
+    assert cli.main(argv) == 2
+    assert str(missing) in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_without_the_default_prompt_files_the_error_says_how_to_give_them(tmp_path, monkeypatch):
+    from medusa.training import data
+
+    monkeypatch.setattr(data, "DEFAULT_SOURCES", (tmp_path / "gsm8k_train.jsonl",))
+    with pytest.raises(FileNotFoundError, match=r"MEDUSA_DATA_DIR.*data\.sources="):
+        data.default_sources()
