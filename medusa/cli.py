@@ -55,11 +55,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from medusa.medusa_model import MedusaModel, generate_params
+    from medusa.medusa_model import MedusaModel, _named_tree, generate_params
 
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop=args.stop)
     generate_params(**options)  # a bad option fails now, not after the model loads
+    args.tree = _named_tree(args.tree)  # so does an unknown tree name or a missing tree file
     if args.compare and args.heads == "none":
         raise ValueError("--compare measures Medusa against plain decoding; with --heads none both are plain")
     heads = None if args.heads in (None, "none") else args.heads

@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="apply the rows' tokens (stops, text, outputs) every this many decode steps, each stream's at "
                         "once: less host work per step at many requests, outputs this many steps apart (default: 1)")
     p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template (a file, or the template's text) instead of the model's own, e.g. "
-                        "one that shows the request's tools to the model")
+                   help="a Jinja chat template instead of the model's own: a shipped one by name (chatml-tools: "
+                        "shows the request's tools to the model), a file, or the template's text")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice \"auto\" (the default with tools): the model decides, and "
                         "--tool-call-parser finds its calls in the text")

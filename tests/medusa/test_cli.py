@@ -40,6 +40,16 @@ def test_generate_names_a_bad_option_in_one_line(argv, error, capsys):
     assert error in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("tree, error", [("nope", "unknown tree 'nope'; available: chain-3"),
+                                         ("/no/such/tree.json", "/no/such/tree.json")])
+def test_a_bad_tree_is_named_before_the_model_loads(tree, error, monkeypatch, capsys):
+    from medusa.medusa_model import MedusaModel
+
+    monkeypatch.setattr(MedusaModel, "from_pretrained", lambda *a, **k: pytest.fail("loaded the model first"))
+    assert main(["generate", "hi", "--tree", tree]) == 2
+    assert error in capsys.readouterr().err
+
+
 def test_a_cuda_device_without_a_gpu_is_named(monkeypatch, capsys):
     import torch
 
