@@ -24,18 +24,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default="Write a short poem about the sea, then explain its imagery.",
-                   help="the user message (chat template applied unless --raw)")
+                   help="the user message (chat template applied unless --raw; default: a demo prompt, a poem "
+                        "about the sea)")
     p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--heads", default=None, help="heads folder/file; 'none' for plain decoding")
+    p.add_argument("--heads", default=None, help="heads folder/file (default: the default model's shipped heads); 'none' for plain decoding")
     p.add_argument("--tree", default=None, help="named tree, JSON file, or 'auto' (measured on this device)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="default: 256")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="default: 1.0 (off)")
+    p.add_argument("--top-k", type=int, default=0, help="default: 0 (off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, no chat template")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="default: cuda if torch sees a GPU, else cpu")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights' dtype (auto: bfloat16 on a GPU, float32 on a CPU); float32 makes greedy Medusa "
                         "output identical to plain decoding, where bfloat16 may differ at near-ties")
