@@ -6,11 +6,14 @@ import argparse
 import sys
 import time
 
+from medusa import __version__
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # torch is imported only by the commands that run
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="medusa", description="Medusa speculative decoding")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands.add_parser("generate", help="generate text for one prompt"))
     _add_serve(commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))

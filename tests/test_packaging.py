@@ -33,6 +33,9 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def test_the_wheel_holds_every_shipped_config_and_the_heads(wheel):
+    import medusa
+
+    assert wheel.name.startswith(f"medusa_decoding-{medusa.__version__}-")  # one version, medusa.__version__
     names = set(zipfile.ZipFile(wheel).namelist())
     configs = [p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").rglob("*") if p.is_file()]
     assert configs and {f"medusa/{name}" for name in configs} <= names
@@ -58,3 +61,14 @@ def test_an_installed_package_finds_trees_recipes_and_templates_and_writes_trees
     run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == str(tmp_path / "home" / ".config" / "medusa" / "trees")
+
+
+@pytest.mark.parametrize("module", ["medusa.cli", "medusa.training.cli"])
+def test_both_commands_say_their_version(module, capsys):
+    import importlib
+
+    import medusa
+
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(module).main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.split()[-1] == medusa.__version__

@@ -15,12 +15,14 @@ import json
 import sys
 from pathlib import Path
 
+from medusa import __version__
 from medusa.paths import new_tree_file
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="medusa-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="self-distil, train heads, search their tree")
     train.add_argument("--config", default=None, help="recipe name in configs/train/ or a YAML path")
