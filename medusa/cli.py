@@ -30,7 +30,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    help="the user message (chat template applied unless --raw; default: a demo prompt, a poem "
                         "about the sea)")
     p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--heads", default=None, help="heads folder/file (default: the default model's shipped heads); 'none' for plain decoding")
+    p.add_argument("--heads", default=None, help="heads folder/file (default: the default model's shipped heads); "
+                   "'none' for plain decoding")
     p.add_argument("--tree", default=None, help="named tree, JSON file, or 'auto' (measured on this device)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default: 256")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
