@@ -72,3 +72,9 @@ def test_both_commands_say_their_version(module, capsys):
     with pytest.raises(SystemExit) as done:
         importlib.import_module(module).main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.split()[-1] == medusa.__version__
+
+
+def test_no_test_folder_is_named_after_the_package():
+    """A subprocess with tests/ on PYTHONPATH (the torchrun tests) would import such a folder as a namespace
+    package `medusa`, ahead of the editable install's finder: `from medusa import __version__` then failed."""
+    assert not (ROOT / "tests" / "medusa").exists()

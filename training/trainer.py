@@ -41,14 +41,19 @@ class TrainState:
     history: list[dict] = field(default_factory=list)  # logged metrics
 
 
-def cosine_with_warmup(optimizer: torch.optim.Optimizer, warmup: int, total: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(total - warmup, 1)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+def cosine_factor(step: int, warmup: int, total: int) -> float:
+    """The learning rate's factor after `step` optimizer steps: linear warm-up, then a cosine to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(total - warmup, 1)
+    return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+def cosine_with_warmup(optimizer: torch.optim.Optimizer, warmup: int, total: int, calls_per_step: int = 1):
+    """The schedule as a LambdaLR stepped `calls_per_step` times per optimizer step: accelerate's prepared
+    scheduler steps once per process for each optimizer step (it assumes one process's count of steps)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda calls: cosine_factor(calls // calls_per_step, warmup, total))
 
 
 class Trainer:
@@ -75,7 +80,10 @@ class Trainer:
         self.base = _with_adapter(base, config) if config.medusa2.enabled else base.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self._param_groups(), weight_decay=t.weight_decay)
         self.total_steps = self._count_steps()
-        self.scheduler = cosine_with_warmup(self.optimizer, int(t.warmup_ratio * self.total_steps), self.total_steps)
+        # total_steps counts this process's optimizer steps; the prepared scheduler is called num_processes times
+        # for each (two processes ran the cosine out at half the run before)
+        self.scheduler = cosine_with_warmup(self.optimizer, int(t.warmup_ratio * self.total_steps), self.total_steps,
+                                            calls_per_step=self.accelerator.num_processes)
         self.heads, self.optimizer, self.scheduler = self.accelerator.prepare(self.heads, self.optimizer, self.scheduler)
         if config.medusa2.enabled:
             self.accelerator.register_for_checkpointing(_AdapterState(self.base))

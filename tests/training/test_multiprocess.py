@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from medusa.training.trainer import cosine_factor
+
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
 
@@ -30,6 +32,11 @@ def test_medusa2_processes_keep_one_adapter_and_one_set_of_heads(tmp_path):
         a, b = ranks[0][part], ranks[1][part]
         assert a.keys() == b.keys() and a
         assert all(torch.equal(a[k], b[k]) for k in a), f"{part} differ between processes"
+    # the schedule runs over the steps each process takes (it reached 0 halfway through before), head and LoRA groups
+    total, warmup = ranks[0]["total_steps"], int(0.05 * ranks[0]["total_steps"])
+    assert [step for step, _ in ranks[0]["lrs"]] == list(range(1, total + 1)) and total >= 4
+    for step, lr in ranks[0]["lrs"]:
+        assert lr == pytest.approx(2e-2 * cosine_factor(step, warmup, total)), step
     trained = [v for k, v in ranks[0]["lora"].items() if "lora_B" in k]
     assert any(v.abs().sum() > 0 for v in trained)  # B starts at zero: the adapter did learn
 
