@@ -54,6 +54,8 @@ def run_training(config: TrainConfig, resume: bool = False, tree_name: str | Non
     output = Path(config.output_dir)
     if resume and latest_checkpoint(output) is None:  # before minutes of self-distillation, not after
         raise FileNotFoundError(no_checkpoint_message(output))
+    if resume:
+        check_resumable(config, latest_checkpoint(output))
     source_specs(config.data)  # missing prompt files: before the model loads and anything is written
     if state.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
@@ -83,6 +85,37 @@ def run_training(config: TrainConfig, resume: bool = False, tree_name: str | Non
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
     state.wait_for_everyone()
     return summary
+
+
+# Settings a checkpoint's weights and data position depend on: a resume must keep them (train.epochs, max_steps,
+# save_every and the like may change; the schedule then follows the new step count)
+_RESUME_FIXED = ("model", "seed", "heads", "data", "medusa2", "train.max_tokens_per_batch", "train.grad_accum")
+
+
+def check_resumable(config: TrainConfig, checkpoint: Path) -> None:
+    """Raise naming every setting that differs from the checkpoint's run where the checkpoint could not continue
+    under it (other heads' shapes, other data: it failed deep in loading, or after re-distilling)."""
+    saved_file = checkpoint / "train_config.json"
+    if not saved_file.is_file():
+        return  # a checkpoint from before configs were saved with it
+    # both through JSON, so tuples and lists compare alike
+    saved, now = _flat(json.loads(saved_file.read_text())), _flat(json.loads(json.dumps(config.to_dict())))
+    changed = [key for key in sorted(saved.keys() | now.keys())
+               if key.startswith(_RESUME_FIXED) and key != "data.cache_dir" and saved.get(key) != now.get(key)]
+    if changed:
+        shown = "; ".join(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
+        raise ValueError(f"--resume from {checkpoint}: these settings differ from that run's ({shown}); "
+                         "use its settings, or train without --resume into another output_dir")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and key != "columns":
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def finish_heads(base: DecoderModel, heads: MedusaHeads, heldout: Sequences, config: TrainConfig,

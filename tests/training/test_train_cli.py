@@ -125,3 +125,20 @@ def test_without_the_default_prompt_files_the_error_says_how_to_give_them(tmp_pa
     monkeypatch.setattr(data, "DEFAULT_SOURCES", (tmp_path / "gsm8k_train.jsonl",))
     with pytest.raises(FileNotFoundError, match=r"MEDUSA_DATA_DIR.*data\.sources="):
         data.default_sources()
+
+
+def test_resume_with_settings_the_checkpoint_cannot_take_fails_before_loading(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "step-0000003"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    common = [f"output_dir={run}", "data.sources=[gsm8k_train.jsonl]"]
+    (checkpoint / "train_config.json").write_text(json.dumps(load_config(None, common).to_dict()))
+    monkeypatch.setattr(pipeline, "latest_checkpoint", lambda output: checkpoint)
+    for fine in (["train.max_steps=9", "train.epochs=5", f"data.cache_dir={tmp_path}"], []):
+        pipeline.check_resumable(load_config(None, common + fine), checkpoint)  # no error
+    monkeypatch.setattr(pipeline, "load_base", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    argv = ["train", "--resume", *common, "heads.num_layers=2", "data.max_new_tokens=16"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "heads.num_layers: 1 -> 2" in err and "data.max_new_tokens: 320 -> 16" in err
