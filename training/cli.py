@@ -103,6 +103,9 @@ def _eval(args) -> int:
     cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"
     _, heldout = self_distill(base, tokenizer, pool, model_id, config.data, cache, config.seed, system_prompt, eos,
                               train=False)  # the held-out split is all eval reads
+    if len(heldout) == 0:
+        raise ValueError(f"the held-out split is empty (data.holdout_fraction={config.data.holdout_fraction} of "
+                         f"{len(pool.conversations)} prompts): nothing to measure")
     subset = _first(heldout, config.eval.max_sequences)
     rank = max(config.eval.max_rank, max(tree.topk_per_depth, default=1))
     result = evaluate_heads(base, heads, batches(subset, config.train.max_tokens_per_batch, 0, 0), tree, rank)

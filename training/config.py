@@ -124,8 +124,8 @@ class DataSection:
         for key in ("samples_per_prompt", "self_prompts", "context_tasks"):
             if getattr(self, key) < 0:
                 raise ValueError(f"data.{key} must be >= 0, got {getattr(self, key)}")
-        if self.limit is not None and self.limit < 0:
-            raise ValueError(f"data.limit must be >= 0 (or null), got {self.limit}")
+        if self.limit is not None and self.limit < 1:  # 0 would train on nothing
+            raise ValueError(f"data.limit must be >= 1 (or null for every prompt), got {self.limit}")
         if not 0 <= self.holdout_fraction < 1:
             raise ValueError(f"data.holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
         if not 0 <= self.followup_fraction <= 1:

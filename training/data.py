@@ -90,6 +90,8 @@ def load_conversations(
         raise FileNotFoundError(f"prompt file not found: {path}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    if not path.read_bytes().strip():  # datasets fails on it with a bare StopIteration
+        raise ValueError(f"{path}: the file is empty: no prompts")
     table = _read_table(path)
     kind, mapping = _resolve_columns(table.column_names, columns, path)
     conversations: list[Conversation] = []
@@ -105,6 +107,8 @@ def load_conversations(
         conversations += found
     if skipped:
         logger.warning("%s: skipped %d row(s) with an empty prompt", path, skipped)
+    if not conversations and limit != 0:
+        raise ValueError(f"{path}: no prompts: every one of its {skipped} row(s) read has an empty {kind!r}")
     return conversations[:limit]
 
 

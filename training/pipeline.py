@@ -68,6 +68,7 @@ def run_training(config: TrainConfig, resume: bool = False, tree_name: str | Non
         train, heldout = self_distill(base, tokenizer, pool, model_id, config.data, cache, config.seed,
                                       system_prompt, eos)
     timings["distill_s"] = time.perf_counter() - start
+    check_splits(train, heldout, config)
     trainer = Trainer(config, base, train, base_name=model_id)
     trainer.train(resume=resume)
     timings["train_s"] = time.perf_counter() - start - timings["distill_s"]
@@ -85,6 +86,16 @@ def run_training(config: TrainConfig, resume: bool = False, tree_name: str | Non
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
     state.wait_for_everyone()
     return summary
+
+
+def check_splits(train: Sequences, heldout: Sequences, config: TrainConfig) -> None:
+    """Both splits must hold sequences: no training data trains nothing, and without held-out data the
+    accuracies are zeros and the searched tree a guess (runs on a dozen prompts ended so, with rc 0)."""
+    for name, split in (("train", train), ("held-out", heldout)):
+        if len(split) == 0:
+            raise ValueError(f"the {name} split is empty ({len(train)} train / {len(heldout)} held-out sequences "
+                             f"from the prompts, data.holdout_fraction={config.data.holdout_fraction}): give more "
+                             "prompts, or change data.holdout_fraction")
 
 
 # Settings a checkpoint's weights and data position depend on: a resume must keep them (train.epochs, max_steps,

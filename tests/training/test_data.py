@@ -112,6 +112,16 @@ def test_empty_prompts_skipped_and_limit(tmp_path, caplog):
     assert load_conversations(path, limit=0) == []
 
 
+def test_an_empty_file_or_one_of_empty_prompts_is_refused_by_name(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="empty.jsonl: the file is empty"):
+        load_conversations(empty)
+    blank = write_jsonl(tmp_path / "blank.jsonl", [{"question": q} for q in ["", "  "]])
+    with pytest.raises(ValueError, match="blank.jsonl: no prompts: every one of its 2 row"):
+        load_conversations(blank)
+
+
 def test_unknown_columns_missing_file_and_spec_bench(tmp_path):
     path = write_jsonl(tmp_path / "weird.jsonl", [{"text": "hi", "label": 1}])
     with pytest.raises(ValueError, match="weird.jsonl") as err:

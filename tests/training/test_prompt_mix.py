@@ -57,6 +57,7 @@ def test_old_plain_list_and_new_mapping_forms():
     ("data.self_prompt_max_tokens=0", "data.self_prompt_max_tokens"),
     ("data.samples_per_prompt=-2", "data.samples_per_prompt"),
     ("data.limit=-1", "data.limit"),
+    ("data.limit=0", "data.limit must be >= 1"),
     ("data.sources=[{path: b, columns: {questoin: query}}]", r"data.sources\[0\]: columns=.*exactly one prompt kind"),
     ("data.sources=[{path: b, columns: {question: q, input: c}}]", r"data.sources\[0\]: input/instances only go"),
     ("data.sources=[{path: b, columns: query}]", r"data.sources\[0\]: columns='query' must map"),

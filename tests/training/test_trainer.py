@@ -278,3 +278,14 @@ def test_resume_without_a_checkpoint_fails_before_loading_or_distilling(tmp_path
     config = load_config(None, [f"output_dir={tmp_path / 'run'}"])
     with pytest.raises(FileNotFoundError, match=r"--resume: no checkpoint under .*run/checkpoints \(check output_dir"):
         pipeline.run_training(config, resume=True)
+
+
+def test_an_empty_split_stops_the_run_before_training():
+    from medusa.training import pipeline
+
+    config = load_config(None, ["data.holdout_fraction=0.03"])
+    some, none = Sequences.from_lists([[1, 2, 3]], [1]), Sequences.from_lists([], [])
+    pipeline.check_splits(some, some, config)
+    for train, heldout, name in ((some, none, "held-out"), (none, some, "train")):
+        with pytest.raises(ValueError, match=rf"the {name} split is empty \(.*holdout_fraction=0.03\)"):
+            pipeline.check_splits(train, heldout, config)
