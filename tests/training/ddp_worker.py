@@ -12,8 +12,8 @@ from test_trainer import patterned_data, tiny_base
 
 def main(out: str) -> None:
     config = load_config(None, [f"output_dir={out}", "train.max_tokens_per_batch=128", "train.epochs=2",
-                                "train.lr=2e-2", "train.save_every=0", "train.log_every=1", "heads.num_heads=2", "medusa2.enabled=true",
-                                "medusa2.lora_r=4", "medusa2.base_lr=5e-2"])
+                                "train.lr=2e-2", "train.save_every=0", "train.log_every=1", "heads.num_heads=2",
+                                "medusa2.enabled=true", "medusa2.lora_r=4", "medusa2.base_lr=5e-2"])
     trainer = Trainer(config, tiny_base(), patterned_data())
     trainer.train()
     acc = trainer.accelerator
