@@ -147,7 +147,7 @@ class MedusaModel:
 
         heads: a heads folder/file in our, FasterDecoding's or TGI's format, a
         MedusaHeads, or None (the default model's shipped heads; no heads, i.e.
-        plain decoding, for any other model). tree: a TreeSpec, a named tree, or
+        plain decoding, for any other model); "none": no heads, as the CLI's. tree: a TreeSpec, a named tree, or
         "auto" / None (the tree of most tokens a second, from step costs measured
         on this device at the first generate()). dtype: torch.bfloat16 or its
         name, None: bfloat16 on a GPU, float32 on a CPU. device: None picks a
@@ -164,10 +164,13 @@ class MedusaModel:
         dtype = _resolve_dtype(dtype) or default_dtype(device)
         tree = _named_tree(tree)  # a bad name fails before the weights load
         system_prompt = None
+        no_heads = heads == "none"
         if path is None:
             path, system_prompt = default_model.default_model_path(), default_model.DEFAULT_SYSTEM_PROMPT
             if heads is None:
                 heads = default_model.default_heads_path()
+        if no_heads:
+            heads = None
         base = load_base_model(path, dtype=dtype, device=device)
         tokenizer = _load_tokenizer(path)
         if isinstance(heads, (str, Path)):

@@ -220,3 +220,10 @@ def test_guided_generation_answers_in_the_pattern_or_schema(model):
     assert re.fullmatch(r"\d+ \+ \d+ = \d{1,2}", sum_.text) and sum_.finish_reason == "stop"
     with pytest.raises(ValueError, match="leave tree= and acceptance= out"):
         model.generate("Hi", guided_regex="a+", tree="tree-4")
+
+
+def test_heads_none_loads_the_default_model_without_heads(model):
+    plain = MedusaModel.from_pretrained(device="cpu", heads="none")
+    assert plain.heads is None
+    ids = model.encode([{"role": "user", "content": QUESTION}])
+    assert plain.generate(ids, max_new_tokens=8).token_ids == model.generate(ids, max_new_tokens=8).token_ids
