@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     train = commands.add_parser("train", help="self-distil, train heads, search their tree")
     train.add_argument("--config", default=None, help="recipe name in configs/train/ or a YAML path")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start afresh in an output_dir that holds an earlier run (its heads and checkpoints "
+                       "are replaced); without it such a run is refused")
     train.add_argument("--tree-name", default=None,
                        help="also save the searched tree as a named tree (configs/trees/<name>.json in a source "
                        "checkout, ~/.config/medusa/trees/ for an installed package, or $MEDUSA_TREES_DIR)")
@@ -57,7 +60,7 @@ def _train(args) -> int:
     # a taken name fails now, not after training
     tree_file = new_tree_file(args.tree_name) if args.tree_name is not None else None
     try:
-        summary = run_training(config, resume=args.resume, tree_name=args.tree_name)
+        summary = run_training(config, resume=args.resume, tree_name=args.tree_name, overwrite=args.overwrite)
     except TrainingDivergedError as err:
         print(f"medusa-train train: stopped: {err}", file=sys.stderr)
         return 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def gather_conversations(config: TrainConfig) -> PromptPool:
     return gather_prompts(config.data, config.seed)
 
 
-def run_training(config: TrainConfig, resume: bool = False, tree_name: str | None = None) -> dict:
+def run_training(config: TrainConfig, resume: bool = False, tree_name: str | None = None,
+                 overwrite: bool = False) -> dict:
     """One process, or several under `accelerate launch` / `torchrun`: the main process distils
     (the others then read its cache), every process trains on its share of the batches, and the
     main process evaluates and saves. Returns the summary (the other processes get {})."""
@@ -52,12 +54,18 @@ def run_training(config: TrainConfig, resume: bool = False, tree_name: str | Non
 
     state = PartialState(cpu=not torch.cuda.is_available())
     output = Path(config.output_dir)
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in output_dir and --overwrite starts it again: give one")
     if resume and latest_checkpoint(output) is None:  # before minutes of self-distillation, not after
         raise FileNotFoundError(no_checkpoint_message(output))
     if resume:
         check_resumable(config, latest_checkpoint(output))
+    elif not overwrite:
+        check_no_earlier_run(output)
     source_specs(config.data)  # missing prompt files: before the model loads and anything is written
     if state.is_main_process:
+        if overwrite:  # an earlier run's checkpoints would be what a later --resume of this one finds
+            shutil.rmtree(output / "checkpoints", ignore_errors=True)
         output.mkdir(parents=True, exist_ok=True)
         (output / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
     timings, start = {}, time.perf_counter()
@@ -86,6 +94,14 @@ def run_training(config: TrainConfig, resume: bool = False, tree_name: str | Non
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
     state.wait_for_everyone()
     return summary
+
+
+def check_no_earlier_run(output: Path) -> None:
+    """A fresh run must not write over an earlier run's heads or checkpoints unasked (it did, silently)."""
+    earlier = [p for p in (output / "heads", output / "checkpoints") if p.is_dir() and any(p.iterdir())]
+    if earlier:
+        raise ValueError(f"output_dir {output} holds an earlier run ({', '.join(p.name for p in earlier)}): "
+                              "--resume to continue it, --overwrite to start it again, or another output_dir")
 
 
 def check_splits(train: Sequences, heldout: Sequences, config: TrainConfig) -> None:

@@ -76,7 +76,7 @@ def fake_training(monkeypatch, tree: TreeSpec):
     """run_training replaced by one that leaves a searched tree with the heads, as the real one does."""
     calls = []
 
-    def run(config, resume=False, tree_name=None):
+    def run(config, resume=False, tree_name=None, overwrite=False):
         calls.append(tree_name)
         heads = pipeline.Path(config.output_dir) / "heads"
         heads.mkdir(parents=True, exist_ok=True)
@@ -142,3 +142,19 @@ def test_resume_with_settings_the_checkpoint_cannot_take_fails_before_loading(tm
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "heads.num_layers: 1 -> 2" in err and "data.max_new_tokens: 320 -> 16" in err
+
+
+def test_a_fresh_run_over_an_earlier_one_is_refused_unless_overwrite(tmp_path, monkeypatch, capsys):
+    stop = ValueError("stopped at the model load")
+    monkeypatch.setattr(pipeline, "load_base", lambda *a, **k: (_ for _ in ()).throw(stop))
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-0000004").mkdir(parents=True)
+    (run / "heads").mkdir()
+    (run / "heads" / "heads.safetensors").write_bytes(b"earlier")
+    argv = ["train", f"output_dir={run}", "data.sources=[gsm8k_train.jsonl]"]
+    assert cli.main(argv) == 2
+    assert "holds an earlier run (heads, checkpoints)" in capsys.readouterr().err
+    assert (run / "checkpoints" / "step-0000004").is_dir()  # nothing touched
+    assert cli.main([*argv, "--overwrite", "--resume"]) == 2 and "give one" in capsys.readouterr().err
+    assert cli.main([*argv, "--overwrite"]) == 2 and "stopped at the model load" in capsys.readouterr().err
+    assert not (run / "checkpoints").exists()  # the earlier run's checkpoints went, so --resume cannot pick them
