@@ -146,9 +146,9 @@ class MedusaModel:
         """A checkpoint folder or .gguf (None: the default model) with its heads.
 
         heads: a heads folder/file in our, FasterDecoding's or TGI's format, a
-        MedusaHeads, or None (the default model's shipped heads; no heads, i.e.
-        plain decoding, for any other model); "none": no heads, as the CLI's. tree: a TreeSpec, a named tree, or
-        "auto" / None (the tree of most tokens a second, from step costs measured
+        MedusaHeads, None (the default model's shipped heads; no heads, i.e.
+        plain decoding, for any other model), or "none" (no heads, as the CLI's
+        --heads none). tree: a TreeSpec, a named tree, or "auto" / None (the tree of most tokens a second, from step costs measured
         on this device at the first generate()). dtype: torch.bfloat16 or its
         name, None: bfloat16 on a GPU, float32 on a CPU. device: None picks a
         GPU if torch sees one. prompt_lookup: L > 0 adds L prompt-lookup nodes

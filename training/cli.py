@@ -87,13 +87,12 @@ def _write_named_tree(searched: Path, target: Path) -> None:
 
 
 def _eval(args) -> int:
+    from medusa.heads import MedusaHeads
     from medusa.training.data import batches
     from medusa.training.distill import self_distill
     from medusa.training.evaluate import evaluate_heads
     from medusa.training.pipeline import _first, gather_conversations, load_base
     from medusa.training.prompt_mix import source_specs
-
-    from medusa.heads import MedusaHeads
     from medusa.tree import TreeSpec
 
     config = eval_config(args)

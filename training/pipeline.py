@@ -56,10 +56,11 @@ def run_training(config: TrainConfig, resume: bool = False, tree_name: str | Non
     output = Path(config.output_dir)
     if resume and overwrite:
         raise ValueError("--resume continues the run in output_dir and --overwrite starts it again: give one")
-    if resume and latest_checkpoint(output) is None:  # before minutes of self-distillation, not after
-        raise FileNotFoundError(no_checkpoint_message(output))
-    if resume:
-        check_resumable(config, latest_checkpoint(output))
+    if resume:  # checked before minutes of self-distillation, not after
+        checkpoint = latest_checkpoint(output)
+        if checkpoint is None:
+            raise FileNotFoundError(no_checkpoint_message(output))
+        check_resumable(config, checkpoint)
     elif not overwrite:
         check_no_earlier_run(output)
     source_specs(config.data)  # missing prompt files: before the model loads and anything is written
