@@ -184,6 +184,7 @@ class TrainSection:
     decay: float = 0.8  # head k's loss weight is decay**k
     mixed_precision: str = "auto"  # auto: bf16 on a GPU, no on the CPU
     save_every: int = 500  # optimizer steps between checkpoints (0: only at the end)
+    save_total_limit: int | None = None  # keep only the newest N checkpoints (null: keep all; HF's name)
     log_every: int = 10
     max_steps: int | None = None  # stop early (tests, quick runs)
     # share of each head's loss taken against the base's full next-token distribution rather than
@@ -205,6 +206,9 @@ class TrainSection:
         _positive("train.decay", self.decay)
         _require("train.save_every", self.save_every, self.save_every >= 0,
                  "an int >= 0 (optimizer steps between checkpoints; 0: only at the end)")
+        _require("train.save_total_limit", self.save_total_limit,
+                 self.save_total_limit is None or self.save_total_limit >= 1,
+                 "an int >= 1 (checkpoints kept), or null to keep them all")
         # checked here, not at the first step: that comes after hours of self-distillation (a modulo by 0)
         _require("train.log_every", self.log_every, self.log_every >= 1, "an int >= 1 (optimizer steps between logs)")
         _require("train.max_steps", self.max_steps, self.max_steps is None or self.max_steps >= 0,

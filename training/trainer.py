@@ -260,7 +260,17 @@ class Trainer:
             state = {"epoch": self.state.epoch, "batch_in_epoch": self.state.batch_in_epoch, "step": self.state.step}
             (path / "trainer_state.json").write_text(json.dumps(state))
             (path / "train_config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+            self._prune_checkpoints()
         return path
+
+    def _prune_checkpoints(self) -> None:
+        """train.save_total_limit: drop all but the newest checkpoints (each holds the optimizer's state too)."""
+        keep = self.config.train.save_total_limit
+        if keep is None:
+            return
+        found = sorted((self.output / "checkpoints").glob("step-*"))
+        for path in found[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.output)
@@ -272,11 +282,6 @@ class Trainer:
 
     def unwrapped_heads(self) -> MedusaHeads:
         return self.accelerator.unwrap_model(self.heads)
-
-    def clean_checkpoints(self, keep_last: int = 1) -> None:
-        found = sorted((self.output / "checkpoints").glob("step-*"))
-        for path in found[:-keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def progress_postfix(metrics: dict) -> dict:

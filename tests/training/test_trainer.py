@@ -90,6 +90,16 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     assert saved == ["step-0000002", "step-0000004"]
 
 
+def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
+    trainer = make_trainer(tmp_path, "train.epochs=2", "train.save_every=2", "train.save_total_limit=2")
+    state = trainer.train()
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert len(saved) == 2 and saved[-1] == f"step-{state.step:07d}"
+    # without a limit every checkpoint stays
+    make_trainer(tmp_path / "all", "train.epochs=2", "train.save_every=2").train()
+    assert len(list((tmp_path / "all" / "checkpoints").iterdir())) == state.step // 2 + (state.step % 2 > 0)
+
+
 def test_unknown_config_key_is_named():
     with pytest.raises(ValueError, match="train.learning_rate"):
         load_config(None, ["train.learning_rate=1e-3"])
@@ -118,6 +128,7 @@ def test_bad_settings_fail_before_any_work(override, error):
     ("train.decay=-1", "train.decay"),  # negative loss weights: odd heads' loss maximised
     ("train.max_steps=-5", "train.max_steps"),
     ("train.save_every=-1", "train.save_every"),
+    ("train.save_total_limit=0", "train.save_total_limit"),
     ("medusa2.lora_r=-3", "medusa2.lora_r"),
     ("medusa2.lora_r=0", "medusa2.lora_r"),
     ("medusa2.lora_alpha=0", "medusa2.lora_alpha"),
