@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -44,11 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("overrides", nargs="*")
     ev.set_defaults(run=_eval)
     args = parser.parse_args(argv)
+    show_progress_logs()
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"medusa-train {args.command}: error: {err}", file=sys.stderr)
         return 2
+
+
+def show_progress_logs() -> None:
+    """Our modules' INFO lines (what is distilled, what the cache reuses) on stderr; other libraries' stay quiet."""
+    logger = logging.getLogger("medusa")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("medusa-train: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def _train(args) -> int:
@@ -64,12 +76,25 @@ def _train(args) -> int:
     except TrainingDivergedError as err:
         print(f"medusa-train train: stopped: {err}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # a line that says what is kept, not a traceback
+        print(interrupted_message(Path(config.output_dir)), file=sys.stderr)
+        return 130
     if not summary:  # not the main process of a multi-process run: the main one reports
         return 0
     if tree_file is not None:
         _write_named_tree(Path(config.output_dir) / "heads" / "tree.json", tree_file)
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
     return 0
+
+
+def interrupted_message(output: Path) -> str:
+    from medusa.training.trainer import latest_checkpoint
+
+    checkpoint = latest_checkpoint(output)
+    kept = (f"the last checkpoint is {checkpoint}: the same command with --resume continues from it"
+            if checkpoint else "no checkpoint was saved yet (train.save_every sets how often)")
+    return (f"medusa-train train: interrupted; {kept}. Self-distilled data is cached once a split is complete, so "
+            "a rerun does not generate it again.")
 
 
 def _write_named_tree(searched: Path, target: Path) -> None:

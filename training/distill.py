@@ -16,6 +16,7 @@ Self-prompts, train and held-out sequences are cached on disk.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import asdict
 from pathlib import Path
@@ -40,6 +41,7 @@ from medusa.training.prompt_mix import (
 )
 
 GREEDY = SamplingConfig()
+logger = logging.getLogger(__name__)
 
 
 def split_prompts(num: int, holdout_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -169,6 +171,24 @@ def distill_knobs(settings: DataSection) -> dict[str, Any]:
     return knobs
 
 
+def distill_plan(settings: DataSection, train_samples: list[int] | None, heldout: int, cache_dir: Path) -> str:
+    """What self-distillation is about to generate (it takes hours for the default recipe on a CPU, and its
+    progress bars count batches of distill_batch_size): answers per kind, and how to make it smaller."""
+    parts = []
+    if train_samples is not None:
+        n = len(train_samples)
+        answers = [f"{n} greedy", f"{sum(train_samples)} sampled answers"]
+        if settings.followup_fraction:
+            answers.append(f"{round(n * settings.followup_fraction)} follow-up turns")
+        if settings.context_tasks:
+            answers.append(f"about {settings.context_tasks} context tasks")
+        parts.append(f"{n} train prompts ({' + '.join(answers)})")
+    if heldout:
+        parts.append(f"{heldout} held-out prompts (greedy)")
+    return (f"self-distilling {' and '.join(parts)}, up to {settings.max_new_tokens} new tokens each, in batches of "
+            f"{settings.distill_batch_size}, cached in {cache_dir} (data.limit=N reads N prompts per file)")
+
+
 def self_distill(model: DecoderModel, tokenizer: Any, pool: PromptPool, model_id: str, settings: DataSection,
                  cache_dir: Path, seed: int, system_prompt: str | None, eos_ids: Sequence[int],
                  train: bool = True) -> tuple[Sequences | None, Sequences]:
@@ -189,6 +209,8 @@ def self_distill(model: DecoderModel, tokenizer: Any, pool: PromptPool, model_id
         samples += [settings.samples_per_prompt] * len(written)
     prompts = [chat_prompt_ids(tokenizer, conv, system_prompt) for conv in conversations]
     train_idx, held_idx = split_prompts(len(prompts), settings.holdout_fraction, seed)
+    logger.info("%s", distill_plan(settings, [samples[i] for i in train_idx] if train and cached["train"] is None
+                                   else None, len(held_idx) if cached["heldout"] is None else 0, cache_dir))
     if train and cached["train"] is None:
         cached["train"] = distill_train(model, tokenizer, [conversations[i] for i in train_idx],
                                         [prompts[i] for i in train_idx], [samples[i] for i in train_idx],

@@ -41,11 +41,17 @@ def no_generation(*args, **kwargs):
     raise AssertionError("generated although the cache should have been used")
 
 
-def test_samples_followups_masks_and_cache(model, chat_tokenizer, tmp_path, monkeypatch):
+def test_samples_followups_masks_and_cache(model, chat_tokenizer, tmp_path, monkeypatch, caplog):
     tok = chat_tokenizer
     settings = data_section(tmp_path, followup_fraction=0.5)
-    pool, (train, held) = run(model, tok, tmp_path, settings)
+    with caplog.at_level("INFO", logger="medusa.training.distill"):
+        pool, (train, held) = run(model, tok, tmp_path, settings)
     train_idx, held_idx = split_prompts(12, 0.25, 0)
+    sampled = sum(pool.samples[i] for i in train_idx)
+    # said before generating: how much it will write, and how to write less
+    assert (f"self-distilling 9 train prompts (9 greedy + {sampled} sampled answers + 4 follow-up turns) and 3 "
+            "held-out prompts (greedy), up to 6 new tokens each, in batches of 5") in caplog.text
+    assert "data.limit" in caplog.text
     assert len(held) == 3 and held.loss_mask is None  # held-out: one greedy single-turn answer each
     assert len(train) == 9 + sum(pool.samples[i] for i in train_idx)  # greedy + per-source samples
     two_turn = [i for i in range(len(train)) if tok.decode(train[i][0].tolist()).count("<|im_start|>user") == 2]
@@ -73,13 +79,15 @@ def test_samples_followups_masks_and_cache(model, chat_tokenizer, tmp_path, monk
     assert single.loss_mask is None and len(single) == len(train)
 
 
-def test_the_held_out_split_alone_is_distilled_for_eval(model, chat_tokenizer, tmp_path, monkeypatch):
+def test_the_held_out_split_alone_is_distilled_for_eval(model, chat_tokenizer, tmp_path, monkeypatch, caplog):
     """medusa-train eval reads only the held-out split: train=False answers its prompts alone (the train split's
     answers are most of the generation), the same sequences a full run caches."""
     settings = data_section(tmp_path)
     pool = gather_prompts(settings, seed=0)
-    train, held = self_distill(model, chat_tokenizer, pool, "tiny", settings, tmp_path / "alone", 0, SYSTEM, EOS,
-                               train=False)
+    with caplog.at_level("INFO", logger="medusa.training.distill"):
+        train, held = self_distill(model, chat_tokenizer, pool, "tiny", settings, tmp_path / "alone", 0, SYSTEM,
+                                   EOS, train=False)
+    assert "self-distilling 3 held-out prompts (greedy)" in caplog.text
     assert train is None and len(held) == 3 and not (tmp_path / "alone" / "train").exists()
     _, (_, full_held) = run(model, chat_tokenizer, tmp_path, settings)
     assert torch.equal(held.tokens, full_held.tokens)

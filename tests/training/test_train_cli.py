@@ -158,3 +158,18 @@ def test_a_fresh_run_over_an_earlier_one_is_refused_unless_overwrite(tmp_path, m
     assert cli.main([*argv, "--overwrite", "--resume"]) == 2 and "give one" in capsys.readouterr().err
     assert cli.main([*argv, "--overwrite"]) == 2 and "stopped at the model load" in capsys.readouterr().err
     assert not (run / "checkpoints").exists()  # the earlier run's checkpoints went, so --resume cannot pick them
+
+
+def test_ctrl_c_says_what_was_kept_without_a_traceback(tmp_path, monkeypatch, capsys):
+    def interrupted(config, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "run_training", interrupted)
+    run = tmp_path / "run"
+    assert cli.main(["train", f"output_dir={run}"]) == 130
+    assert "no checkpoint was saved yet" in capsys.readouterr().err
+    (run / "checkpoints" / "step-0000004").mkdir(parents=True)
+    (run / "checkpoints" / "step-0000004" / "trainer_state.json").write_text("{}")
+    assert cli.main(["train", f"output_dir={run}"]) == 130
+    err = capsys.readouterr().err
+    assert "step-0000004" in err and "--resume" in err and "Traceback" not in err
