@@ -59,6 +59,13 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=serve)
 
 
+def adapter_note(folder) -> str:
+    """Medusa-2 heads change the base model's weights (their LoRA is merged in): the load line says so."""
+    if folder is None:
+        return ""
+    return f"; base model with the Medusa-2 LoRA adapter of {folder} merged in"
+
+
 def _generate(args: argparse.Namespace) -> int:
     from medusa.medusa_model import MedusaModel, _named_tree, generate_params
 
@@ -78,8 +85,8 @@ def _generate(args: argparse.Namespace) -> int:
     tree = model.resolve_tree(args.tree)
     print(f"[loaded in {time.perf_counter() - start:.1f}s on {model.base.embed_tokens.weight.device}; "
           f"tree: {tree.name or 'custom'} ({tree.num_nodes} nodes"
-          f"{f' + {model.prompt_lookup} prompt-lookup' if tree.num_nodes > 1 and model.prompt_lookup else ''})]",
-          file=sys.stderr)
+          f"{f' + {model.prompt_lookup} prompt-lookup' if tree.num_nodes > 1 and model.prompt_lookup else ''})"
+          f"{adapter_note(model.merged_adapter)}]", file=sys.stderr)
     if model.base.embed_tokens.weight.is_cuda:  # graph captures and kernel compiles stay out of the timing
         if model._on_engine(tree, "auto"):  # one request: batch bucket 1 is all the engine will run
             sampled = args.temperature > 0  # sampled steps have graphs of their own

@@ -128,6 +128,7 @@ class MedusaModel:
                  prompt_lookup: int | None = None) -> None:
         self.base, self.tokenizer, self.heads = base, tokenizer, heads
         self.system_prompt = system_prompt
+        self.merged_adapter: Path | None = None  # the Medusa-2 LoRA folded into base at load, if any
         if prompt_lookup is None:
             prompt_lookup = default_prompt_lookup(base.embed_tokens.weight.device)
         EngineConfig(prompt_lookup=prompt_lookup)  # refuse a bad value now, not at the first engine
@@ -173,14 +174,18 @@ class MedusaModel:
             heads = None
         base = load_base_model(path, dtype=dtype, device=device)
         tokenizer = _load_tokenizer(path)
+        adapter = None
         if isinstance(heads, (str, Path)):
             if has_adapter(heads):  # Medusa-2: the heads were trained with a LoRA on the base
                 merge_lora(base, heads)
+                adapter = Path(heads)
             heads = MedusaHeads.from_pretrained(heads, lm_head_weight=base.lm_head.weight, dtype=dtype, device=device)
         if isinstance(heads, MedusaHeads):
             _check_heads_fit(heads, base)
             heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        return cls(base, tokenizer, heads, tree, system_prompt, prompt_lookup)
+        model = cls(base, tokenizer, heads, tree, system_prompt, prompt_lookup)
+        model.merged_adapter = adapter
+        return model
 
     # ---- generation -------------------------------------------------------
 

@@ -227,3 +227,26 @@ def test_heads_none_loads_the_default_model_without_heads(model):
     assert plain.heads is None
     ids = model.encode([{"role": "user", "content": QUESTION}])
     assert plain.generate(ids, max_new_tokens=8).token_ids == model.generate(ids, max_new_tokens=8).token_ids
+
+
+def test_medusa2_heads_merge_their_adapter_and_say_so(model, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from medusa.cli import adapter_note
+    from medusa.default_model import default_heads_path
+
+    heads = tmp_path / "heads"
+    shutil.copytree(default_heads_path(), heads)
+    name = next(n for n, _ in model.base.named_modules() if n.endswith("down_proj"))
+    weight = model.base.get_submodule(name).weight  # [out, in]
+    a, b = torch.ones(2, weight.shape[1]), torch.full((weight.shape[0], 2), 1e-3)
+    save_file({f"{name}.lora_A.weight": a, f"{name}.lora_B.weight": b}, str(heads / "adapter.safetensors"))
+    (heads / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "target_modules": ["down_proj"]}))
+    adapted = MedusaModel.from_pretrained(device="cpu", heads=heads)
+    assert adapted.merged_adapter == heads and model.merged_adapter is None
+    moved = adapted.base.get_submodule(name).weight - weight
+    assert torch.allclose(moved, torch.full_like(weight, 2 * 2e-3), atol=1e-5)
+    assert "Medusa-2 LoRA adapter" in adapter_note(adapted.merged_adapter) and adapter_note(None) == ""
