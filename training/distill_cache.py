@@ -12,6 +12,8 @@ sequences are kept in a directory:
 
 A cache is reused only when its manifest matches the wanted one; otherwise
 `load_cached` says why (a log line) and returns None so the caller regenerates.
+The replaced cache is kept beside the new one as `<name>@<fingerprint>` (the
+last KEPT_VERSIONS of them), so going back to earlier settings reuses it.
 """
 
 from __future__ import annotations
@@ -232,30 +234,71 @@ def manifest_difference(cached: Mapping[str, Any], wanted: Mapping[str, Any]) ->
 
 
 def load_cached(cache_dir: str | os.PathLike[str], manifest: Mapping[str, Any]) -> Sequences | None:
-    """The cached sequences if `cache_dir` holds ones made as `manifest` says, else None."""
+    """The cached sequences if `cache_dir`, or one of the earlier versions kept beside it, holds ones made as
+    `manifest` says, else None (a log line says why)."""
     cache_dir = Path(cache_dir)
-    manifest_path, sequences_path = cache_dir / MANIFEST, cache_dir / SEQUENCES
-    if not manifest_path.is_file() or not sequences_path.is_file():
-        logger.info("no distillation cache at %s; generating", cache_dir)
-        return None
+    mismatch = _mismatch(cache_dir, manifest)
+    if mismatch is not None:
+        earlier = version_dir(cache_dir, manifest)
+        if _mismatch(earlier, manifest) is not None:
+            logger.info("%s; generating", mismatch)
+            return None
+        logger.info("%s; an earlier version matches", mismatch)
+        cache_dir = earlier
     try:
-        cached = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as err:
-        logger.warning("distillation cache manifest %s is unreadable (%s); regenerating", manifest_path, err)
-        return None
-    reason = manifest_difference(cached, manifest)
-    if reason is not None:
-        logger.info("distillation cache at %s is stale: %s; regenerating", cache_dir, reason)
-        return None
-    try:
-        tensors = load_file(sequences_path)
+        tensors = load_file(cache_dir / SEQUENCES)
         sequences = Sequences(tensors["tokens"], tensors["offsets"], tensors["prompt_lengths"],
                               tensors.get("loss_mask"))
     except Exception as err:  # truncated / foreign file: regenerate rather than crash
-        logger.warning("distillation cache %s is unreadable (%s); regenerating", sequences_path, err)
+        logger.warning("distillation cache %s is unreadable (%s); regenerating", cache_dir / SEQUENCES, err)
         return None
     logger.info("reusing %d cached sequences (%d tokens) from %s", len(sequences), sequences.num_tokens, cache_dir)
     return sequences
+
+
+def _mismatch(cache_dir: Path, manifest: Mapping[str, Any]) -> str | None:
+    """Why the cache in `cache_dir` cannot serve `manifest` (None when it can)."""
+    manifest_path = cache_dir / MANIFEST
+    if not manifest_path.is_file() or not (cache_dir / SEQUENCES).is_file():
+        return f"no distillation cache at {cache_dir}"
+    try:
+        cached = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as err:
+        return f"distillation cache manifest {manifest_path} is unreadable ({err})"
+    reason = manifest_difference(cached, manifest)
+    return None if reason is None else f"distillation cache at {cache_dir} is stale: {reason}"
+
+
+# Earlier versions of a cache kept beside it (`train@<fingerprint>`), so that going back to earlier settings
+# does not generate again (hours on a CPU); the oldest beyond this many are deleted
+KEPT_VERSIONS = 3
+
+
+def manifest_fingerprint(manifest: Mapping[str, Any]) -> str:
+    """12 hex digits naming what a manifest's data is, as `manifest_difference` compares it (files by name,
+    size and sha256, not by path)."""
+    same = {**manifest, "sources": [{k: f.get(k) for k in ("name", "size", "sha256")}
+                                    for f in manifest.get("sources", [])]}
+    return hashlib.sha256(json.dumps(same, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def version_dir(cache_dir: Path, manifest: Mapping[str, Any]) -> Path:
+    return cache_dir.parent / f"{cache_dir.name}@{manifest_fingerprint(manifest)}"
+
+
+def _keep_as_earlier_version(cache_dir: Path) -> None:
+    """Move a cache that is about to be replaced to its version folder (it goes if its manifest is unreadable),
+    and drop the oldest versions beyond KEPT_VERSIONS."""
+    try:
+        manifest = json.loads((cache_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return
+    target = version_dir(cache_dir, manifest)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(cache_dir, target)
+    versions = sorted(cache_dir.parent.glob(f"{cache_dir.name}@*"), key=lambda p: p.stat().st_mtime)
+    for old in versions[:-KEPT_VERSIONS]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_cached(cache_dir: str | os.PathLike[str], manifest: Mapping[str, Any], sequences: Sequences) -> None:
@@ -279,8 +322,9 @@ def save_cached(cache_dir: str | os.PathLike[str], manifest: Mapping[str, Any], 
             tensors["loss_mask"] = sequences.loss_mask.contiguous()
         save_file(tensors, tmp_dir / SEQUENCES, metadata={"format": str(FORMAT_VERSION)})
         (tmp_dir / MANIFEST).write_text(json.dumps(dict(manifest), indent=2, sort_keys=True) + "\n")
-        # os.replace cannot overwrite a non-empty directory: move the old one aside first.
-        if cache_dir.exists():
+        if cache_dir.exists():  # kept as an earlier version (os.replace cannot overwrite a non-empty dir)
+            _keep_as_earlier_version(cache_dir)
+        if cache_dir.exists():  # its manifest was unreadable: moved aside and deleted
             os.replace(cache_dir, old_dir)
         os.replace(tmp_dir, cache_dir)
     finally:

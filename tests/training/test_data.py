@@ -20,7 +20,7 @@ from medusa.training.data import (
     default_sources,
     load_conversations,
 )
-from medusa.training.distill_cache import load_cached, manifest_for, save_cached
+from medusa.training.distill_cache import KEPT_VERSIONS, load_cached, manifest_fingerprint, manifest_for, save_cached
 
 SETTINGS = {"max_new_tokens": 64, "temperature": 0.0, "samples_per_prompt": 1, "seed": 0}
 
@@ -202,6 +202,20 @@ def test_sequences_loss_mask_survives_select_split_and_cache(tmp_path):
 # ---- cache --------------------------------------------------------------------------------
 
 
+def test_earlier_cache_versions_are_kept_up_to_a_limit(tmp_path):
+    source = write_jsonl(tmp_path / "prompts.jsonl", [{"question": "a"}])
+    cache = tmp_path / "cache" / "train"
+    manifests = [manifest_for("m", [source], {"max_new_tokens": n}, num_conversations=1) for n in range(6)]
+    for n, manifest in enumerate(manifests):
+        save_cached(cache, manifest, random_sequences(n + 1, seed=n))
+    kept = sorted(p.name for p in cache.parent.iterdir())
+    assert len(kept) == 1 + KEPT_VERSIONS  # the current one, and the newest earlier ones
+    for n, manifest in enumerate(manifests):
+        loaded = load_cached(cache, manifest)
+        assert (loaded is not None) == (n >= len(manifests) - 1 - KEPT_VERSIONS)
+        assert loaded is None or len(loaded) == n + 1
+
+
 def test_cache_round_trip_and_mismatch(tmp_path, caplog):
     source = write_jsonl(tmp_path / "prompts.jsonl", [{"question": "a"}, {"question": "b"}])
     manifest = manifest_for("some/model", [source], SETTINGS, num_conversations=2)
@@ -225,11 +239,15 @@ def test_cache_round_trip_and_mismatch(tmp_path, caplog):
     assert "settings.temperature differs" in messages and "model differs" in messages
     assert "prompt files differ (prompts.jsonl)" in messages
 
-    # Overwriting replaces the old cache atomically and leaves no temp dirs behind.
+    # Overwriting replaces the old cache atomically, keeps it as an earlier version, and leaves no temp dirs.
     new_manifest = manifest_for("some/model", [source], SETTINGS, num_conversations=2)
     save_cached(cache, new_manifest, random_sequences(3, seed=1))
     assert len(load_cached(cache, new_manifest)) == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "prompts.jsonl"]
+    earlier = f"cache@{manifest_fingerprint(manifest)}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", earlier, "prompts.jsonl"]
+    source.write_text(source.read_text().replace('"A"', '"a"'))  # back to the first prompts: their data returns
+    assert torch.equal(load_cached(cache, manifest).tokens, seqs.tokens)
+    source.write_text(source.read_text().replace('"a"', '"A"'))
     with pytest.raises(ValueError, match="not a distillation cache"):
         save_cached(tmp_path, new_manifest, seqs)  # tmp_path holds prompts.jsonl: refuse
     with pytest.raises(ValueError, match="JSON"):
