@@ -39,6 +39,8 @@ INSTRUCTION = ('\n\nAnswer with a JSON object: "answer" (your answer, a string) 
                '"high").')
 
 
+RUN_DETAIL = ("graphs_captured", "capture_s", "ms_per_step_less_captures", "mean_decode_batch",
+              "decode_steps_per_tree", "tree_decisions", "policy_at_level")
 KINDS = {"guided": "guided", "unforced": "guided, no forced text", "free": "free"}  # --kinds -> row names
 
 
@@ -144,7 +146,10 @@ def main() -> None:
                    "mean_accepted_length": runs["medusa"]["mean_accepted_length"],
                    "plain_ms_per_step": runs["plain"]["ms_per_step"],
                    "medusa_ms_per_step": runs["medusa"]["ms_per_step"],
-                   **schema_check(checked)}
+                   **schema_check(checked),
+                   # why a level lost or won: captures during the run, which trees ran, what the policy believed
+                   "medusa_run": {k: runs["medusa"][k] for k in RUN_DETAIL},
+                   "plain_run": {k: runs["plain"][k] for k in RUN_DETAIL[:4]}}
             if args.profile_steps:
                 row["medusa_phases"] = profiled(engines["medusa"], level, params, concurrency,
                                                 name.endswith("no forced text"))

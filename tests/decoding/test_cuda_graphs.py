@@ -348,8 +348,13 @@ def test_graph_engine_prompt_logprobs_equal_a_full_forwards(default_model_dir):
                for text in ("Write a haiku about the sea.", "Name three prime numbers and explain why.")]
     busy = engine.add_request(prompts[0], SamplingParams(max_tokens=40))  # decoding while the others prefill
     engine.step()
-    outs = engine.generate(prompts, SamplingParams(max_tokens=4, prompt_logprobs=1))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=4, prompt_logprobs=1, output_kind="final"))
+           for p in prompts]
+    finished = {}
+    while len(finished) < len(ids):
+        finished.update((out.request_id, out) for out in engine.step() if out.finished)
     engine.abort(busy)
+    outs = [finished[i] for i in ids]
     for prompt, out in zip(prompts, outs):
         ids = torch.tensor(prompt, device="cuda")
         with torch.no_grad():
