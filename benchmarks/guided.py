@@ -121,8 +121,8 @@ def main() -> None:
     if gpu:
         for engine in engines.values():
             engine.warmup()
-    # each kind of request starts from the warmed-up tree policy: what guided rows teach it (their steps cost
-    # host verdicts) must not carry into the free runs (session 38: Medusa then ran plain steps everywhere)
+    # each kind of request starts from the warmed-up tree policy (guided rows have a policy of their own, the
+    # unforced run must not start from what the forced one learnt)
     policies = {mode: copy.deepcopy(engine.policy) for mode, engine in engines.items()}
     guided = SamplingParams(max_tokens=args.max_tokens, guided_json=SCHEMA)
     free = SamplingParams(max_tokens=args.max_tokens)
@@ -136,6 +136,8 @@ def main() -> None:
             # the faster of two runs each: a level's first Medusa run may capture graphs
             for mode, engine in engines.items():
                 engine.policy = copy.deepcopy(policies[mode])
+                if engine.host_policy is not None:
+                    engine.host_policy = copy.deepcopy(policies[mode])
             with unforced(name.endswith("no forced text")):
                 runs = {mode: max((run_level(engine, level, params, concurrency) for _ in range(args.repeats)),
                                   key=lambda run: run["tok_s"]) for mode, engine in engines.items()}

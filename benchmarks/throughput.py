@@ -104,7 +104,8 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
     step = engine.runner.decode
     graphs_before, capture_before = step.num_graphs, step.capture_seconds
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
-    policy = engine.policy_for(sampled=any(p.temperature > 0 for p in params))
+    policy = engine.policy_for(sampled=any(p.temperature > 0 for p in params),
+                               host=any(p.has_host_changes for p in params))
     queue, finished, in_flight, steps = list(zip(prompts, params)), [], 0, 0
     full_tokens, full_seconds = 0, None  # while every slot is busy: until the last request is admitted
     start = time.perf_counter()
@@ -145,7 +146,7 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
                                       if n > trees_before.get(t, 0)},
             # batch bucket -> the tree its timings chose; buckets still on trial, borrowing plain decoding
             # from a smaller one, or never run are absent
-            # (the policy of the level's traffic: greedy, or with sampled rows, `LLMEngine.policy_for`)
+            # (the policy of the level's traffic: greedy, with sampled rows, or with guided rows: `LLMEngine.policy_for`)
             "tree_decisions": {b: t.label for b, t in sorted(policy.decision.items())},
             "policy_at_level": policy_view(engine, policy, concurrency)}
 

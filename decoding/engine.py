@@ -161,7 +161,13 @@ class LLMEngine:
         # of sampled requests settle a batch size on plain decoding that greedy requests then ran (session 41)
         self.policy = TreePolicy()
         self.sampled_policy: TreePolicy | None = None  # warmup's copy of `policy`, before any traffic
+        # and one for traffic with rows the host decides (guides, bad words), whose steps cost several times a
+        # free step's (H100, 8 guided requests: 7.3 ms a tree step, 1.9 ms a plain one, against 1.4 and 0.7 ms
+        # free, session 43): their costs must not switch free traffic's speculation off (session 38), nor free
+        # traffic's cheap steps make their trees look cheap
+        self.host_policy: TreePolicy | None = None
         self._sampled_seqs = 0  # unfinished sequences that sample
+        self._host_seqs = 0  # unfinished sequences the host decides
         self.overlap = self.runner.decode.use_graphs if config.overlap is None else config.overlap
         self.mixed_prompt_tokens = config.mixed_prompt_tokens
         # cut carried prompt chunks to fill a token bucket: only where graphs pad them to one (eagerly a cut
@@ -215,7 +221,7 @@ class LLMEngine:
             request = EngineRequest(seq, params, TokenSampler(seed), detok, parent_id=rid, index=index,
                                     stop_ids=stop_ids, quiet=quiet, rules=rules.for_sequence())
             self.requests[sub] = request
-            self._sampled_seqs += not request.sampling.greedy
+            self._count(request, 1)
             self.scheduler.add(request.seq)
         return rid
 
@@ -259,15 +265,20 @@ class LLMEngine:
         chosen = warmup.run(self, context, max_batch, sampling)
         if self.sampled_policy is None and self.scheduler.policy is not None:
             self.sampled_policy = copy.deepcopy(self.policy)
+            self.host_policy = copy.deepcopy(self.policy)
         return chosen
 
-    def policy_for(self, sampled: bool) -> TreePolicy:
-        """The tree policy of greedy traffic, or of traffic with sampled rows (the greedy one before warmup)."""
+    def policy_for(self, sampled: bool, host: bool = False) -> TreePolicy:
+        """The tree policy of greedy traffic, of traffic with sampled rows, or of traffic with rows the host
+        decides, which wins (their verdicts dominate a step's cost); the greedy one before warmup."""
+        if host and self.host_policy is not None:
+            return self.host_policy
         return self.sampled_policy if sampled and self.sampled_policy is not None else self.policy
 
     def traffic_policy(self) -> TreePolicy:
-        """The tree policy of the traffic now: the sampled one while any unfinished sequence samples."""
-        return self.policy_for(self._sampled_seqs > 0)
+        """The tree policy of the traffic now: the host one while any unfinished sequence is decided on the
+        host, else the sampled one while any samples."""
+        return self.policy_for(self._sampled_seqs > 0, self._host_seqs > 0)
 
     def _measured_tree(self, num_decoding: int) -> TreeSpec | None:
         """The measured policy's tree for a step of `num_decoding` sequences (the scheduler's `policy` once warmup
@@ -924,8 +935,13 @@ class LLMEngine:
         """A sequence leaves the engine (finished or aborted): its decode row freed, its sampling uncounted."""
         request = self.requests.pop(sub, None)
         if request is not None:
-            self._sampled_seqs -= not request.sampling.greedy
+            self._count(request, -1)
             self._release_row(request)
+
+    def _count(self, request: EngineRequest, sign: int) -> None:
+        """Traffic counts that pick the step's tree policy (`traffic_policy`), as a sequence comes or goes."""
+        self._sampled_seqs += sign * (not request.sampling.greedy)
+        self._host_seqs += sign * request.host_always
 
     def _release_row(self, request: EngineRequest) -> None:
         if request.row is not None:

@@ -145,3 +145,28 @@ def test_sampled_traffic_is_decided_by_a_policy_of_its_own(tiny):
     assert engine.traffic_policy() is sampled and engine._sampled_seqs == 2
     engine.abort(rid)
     assert engine._sampled_seqs == 0 and engine.traffic_policy() is greedy
+
+
+def test_traffic_the_host_decides_has_a_policy_of_its_own(tiny, monkeypatch):
+    """Rows the host decides (bad words, guides) make every step dearer: their costs must not switch free
+    traffic's speculation off, nor free steps make their trees look cheap. While any such row runs, the host
+    policy decides, whatever else is in the batch (sampled rows too)."""
+    from test_penalties import words_as
+
+    words_as(monkeypatch, {"ab": [(3, 4)]})
+    model, heads = tiny
+    engine = engine_of(model, heads)
+    engine.warmup()
+    greedy, sampled, host = engine.policy, engine.sampled_policy, engine.host_policy
+    assert host is not None and host is not greedy and host is not sampled and host.step_cost == greedy.step_cost
+    ps = random_prompts(3, VOCAB, 12, seed=4)
+    engine.generate(ps, SamplingParams(max_tokens=8, bad_words=("ab",)))
+    assert host.observed and not greedy.observed and not sampled.observed and engine._host_seqs == 0
+    seen = dict(host.observed)
+    engine.generate(ps, SamplingParams(max_tokens=8))
+    assert greedy.observed and host.observed == seen and engine.traffic_policy() is greedy
+    engine.add_request(ps[0], SamplingParams(max_tokens=8, temperature=0.9))
+    rid = engine.add_request(ps[1], SamplingParams(max_tokens=8, bad_words=("ab",)))
+    assert engine.traffic_policy() is host and engine._host_seqs == 1
+    engine.abort(rid)
+    assert engine._host_seqs == 0 and engine.traffic_policy() is sampled
