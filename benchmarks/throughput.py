@@ -146,7 +146,8 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
                                       if n > trees_before.get(t, 0)},
             # batch bucket -> the tree its timings chose; buckets still on trial, borrowing plain decoding
             # from a smaller one, or never run are absent
-            # (the policy of the level's traffic: greedy, with sampled rows, or with guided rows: `LLMEngine.policy_for`)
+            # (the policy of the level's traffic: greedy, with sampled rows, or with guided rows:
+            # `LLMEngine.policy_for`)
             "tree_decisions": {b: t.label for b, t in sorted(policy.decision.items())},
             "policy_at_level": policy_view(engine, policy, concurrency)}
 
