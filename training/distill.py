@@ -57,11 +57,15 @@ def generate_many(model: DecoderModel, prompts: Sequence[Sequence[int]], samplin
     """One continuation per prompt, in the prompts' order; batches of similar prompt length (little padding)."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
-    for start in tqdm(range(0, len(order), batch_size), desc=desc, dynamic_ncols=True):
-        chunk = order[start:start + batch_size]
-        answers = generate_padded(model, [prompts[i] for i in chunk], max_new_tokens, sampling, eos_ids, generator)
-        for i, answer in zip(chunk, answers):
-            out[i] = answer
+    # counts answers, not batches: "0/15" over a CPU's hours said nothing of the rate or what was left
+    with tqdm(total=len(order), desc=desc, unit="answer", dynamic_ncols=True) as bar:
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            answers = generate_padded(model, [prompts[i] for i in chunk], max_new_tokens, sampling, eos_ids,
+                                      generator)
+            for i, answer in zip(chunk, answers):
+                out[i] = answer
+            bar.update(len(chunk))
     return out
 
 
