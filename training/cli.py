@@ -112,7 +112,6 @@ def _write_named_tree(searched: Path, target: Path) -> None:
 
 
 def _eval(args) -> int:
-    from medusa.heads import MedusaHeads
     from medusa.training.data import batches
     from medusa.training.distill import self_distill
     from medusa.training.evaluate import evaluate_heads
@@ -123,8 +122,7 @@ def _eval(args) -> int:
     config = eval_config(args)
     source_specs(config.data)  # the held-out split is distilled from them: a missing file fails before loading
     base, tokenizer, model_id, system_prompt, eos = load_base(args.model or config.model)
-    device = base.lm_head.weight.device
-    heads = MedusaHeads.from_pretrained(args.heads, lm_head_weight=base.lm_head.weight).float().to(device)
+    heads = heads_on_their_base(base, args.heads)
     tree = TreeSpec.load(args.tree) if args.tree else TreeSpec.from_paths(heads.config.tree or [], name="heads")
     pool = gather_conversations(config)
     cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"
@@ -140,6 +138,19 @@ def _eval(args) -> int:
                       "mean_accepted_length": result.mean_accepted_length,
                       "steps": len(result.accepted_lengths)}, indent=2))
     return 0
+
+
+def heads_on_their_base(base, folder: str):
+    """The heads of `folder`, float32 on the base's device; Medusa-2 heads first merge their LoRA adapter into
+    `base`, which they were trained with (measured on the plain base they fall short, as they would not in use)."""
+    from medusa.adapter import has_adapter, merge_lora
+    from medusa.heads import MedusaHeads
+
+    if has_adapter(folder):
+        merge_lora(base, folder)
+        print(f"medusa-train eval: merged the Medusa-2 LoRA adapter of {folder} into the base", file=sys.stderr)
+    heads = MedusaHeads.from_pretrained(folder, lm_head_weight=base.lm_head.weight)
+    return heads.float().to(base.lm_head.weight.device)
 
 
 def eval_config(args):

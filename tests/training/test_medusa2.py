@@ -6,6 +6,7 @@ import torch
 
 from medusa.adapter import merge_lora
 from medusa.attention import CausalAttention
+from medusa.training.cli import heads_on_their_base
 from medusa.training.config import load_config
 from medusa.training.pipeline import save_adapter
 from medusa.training.trainer import Trainer
@@ -29,6 +30,8 @@ def test_medusa2_trains_heads_and_adapter_and_merges(tmp_path):
     assert lora and all("lora_" in n for n in lora)
 
     save_adapter(trainer.base, tmp_path)
+    trainer.unwrapped_heads().save_pretrained(tmp_path)
+    pristine = copy.deepcopy(original)
     assert merge_lora(original, tmp_path) == 2 * original.config.num_layers
     ids = torch.randint(48, (2, 16))
     pos = torch.arange(16).expand_as(ids)
@@ -36,3 +39,9 @@ def test_medusa2_trains_heads_and_adapter_and_merges(tmp_path):
         expected = trainer.base(ids, pos, CausalAttention())
         got = original(ids, pos, CausalAttention())
     assert (got - expected).abs().max() < 1e-4
+
+    # medusa-train eval measures Medusa-2 heads on the base they were trained with: the adapter merged in
+    heads = heads_on_their_base(pristine, str(tmp_path))
+    with torch.no_grad():
+        assert (pristine(ids, pos, CausalAttention()) - expected).abs().max() < 1e-4
+    assert heads.config.num_heads == 2 and next(heads.parameters()).dtype == torch.float32
