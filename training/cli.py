@@ -93,7 +93,7 @@ def interrupted_message(output: Path) -> str:
     checkpoint = latest_checkpoint(output)
     kept = (f"the last checkpoint is {checkpoint}: the same command with --resume continues from it"
             if checkpoint else "no checkpoint was saved yet (train.save_every sets how often)")
-    return (f"medusa-train train: interrupted; {kept}. Self-distilled data is cached once a split is complete, so "
+    return (f"\nmedusa-train train: interrupted; {kept}. Self-distilled data is cached once a split is complete, so "
             "a rerun does not generate it again.")
 
 
@@ -121,9 +121,15 @@ def _eval(args) -> int:
 
     config = eval_config(args)
     source_specs(config.data)  # the held-out split is distilled from them: a missing file fails before loading
+    tree = TreeSpec.load(args.tree) if args.tree else None  # so does an unknown tree
     base, tokenizer, model_id, system_prompt, eos = load_base(args.model or config.model)
     heads = heads_on_their_base(base, args.heads)
-    tree = TreeSpec.load(args.tree) if args.tree else TreeSpec.from_paths(heads.config.tree or [], name="heads")
+    tree = tree or TreeSpec.from_paths(heads.config.tree or [], name="heads")
+    try:
+        tree.check_heads(heads.config.num_heads)
+    except ValueError as err:
+        which = f"--tree {args.tree}" if args.tree else f"the tree saved with {args.heads}"
+        raise ValueError(f"{which}: {err}; pick a tree at most {heads.config.num_heads} deep") from None
     pool = gather_conversations(config)
     cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"
     _, heldout = self_distill(base, tokenizer, pool, model_id, config.data, cache, config.seed, system_prompt, eos,
@@ -172,8 +178,8 @@ def eval_config(args):
               "hours on a CPU. To use a run's cached data, pass --config <its recipe> output_dir=<its output_dir> "
               "(or data.cache_dir=<its cache>).", file=sys.stderr)
     cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"
-    print(f"medusa-train eval: data settings from {source}; held-out data from {cache / 'heldout'} "
-          "(self-distilled there first if not cached with these settings)", file=sys.stderr)
+    print(f"medusa-train eval: data settings from {source}; held-out data from {cache / 'heldout'} or an earlier "
+          "version kept beside it (self-distilled there first if not cached with these settings)", file=sys.stderr)
     return config
 
 

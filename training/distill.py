@@ -181,29 +181,36 @@ def distill_plan(settings: DataSection, train_samples: list[int] | None, heldout
     parts = []
     if train_samples is not None:
         n = len(train_samples)
-        answers = [f"{n} greedy", f"{sum(train_samples)} sampled answers"]
+        answers = [f"{n} greedy", _count(sum(train_samples), "sampled answer")]
         if settings.followup_fraction:
-            answers.append(f"{round(n * settings.followup_fraction)} follow-up turns")
+            answers.append(_count(round(n * settings.followup_fraction), "follow-up turn"))
         if settings.context_tasks:
             answers.append(f"about {settings.context_tasks} context tasks")
-        parts.append(f"{n} train prompts ({' + '.join(answers)})")
+        parts.append(f"{_count(n, 'train prompt')} ({' + '.join(answers)})")
     if heldout:
-        parts.append(f"{heldout} held-out prompts (greedy)")
+        parts.append(f"{_count(heldout, 'held-out prompt')} (greedy)")
+    hint = " (data.limit=N reads N prompts per file)" if settings.limit is None else ""
     return (f"self-distilling {' and '.join(parts)}, up to {settings.max_new_tokens} new tokens each, in batches of "
-            f"{settings.distill_batch_size}, cached in {cache_dir} (data.limit=N reads N prompts per file)")
+            f"{settings.distill_batch_size}, cached in {cache_dir}{hint}")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def self_distill(model: DecoderModel, tokenizer: Any, pool: PromptPool, model_id: str, settings: DataSection,
                  cache_dir: Path, seed: int, system_prompt: str | None, eos_ids: Sequence[int],
                  train: bool = True) -> tuple[Sequences | None, Sequences]:
     """(train, held-out) sequences, from the cache when model, files and settings match. train=False: the
-    held-out split alone (`medusa-train eval`), the train split only if it is cached (None otherwise), since its
-    answers are most of the generation."""
+    held-out split alone (`medusa-train eval`) and None, since the train split's answers are most of the
+    generation."""
     knobs = {**distill_knobs(settings), "seed": seed, "system_prompt": system_prompt}
     only = {"train": context_knobs(settings), "heldout": {}}  # held-out keeps its cache when context tasks change
     manifests = {split: manifest_for(model_id, pool.sources, {**knobs, **only[split], "split": split},
                                      len(pool.conversations)) for split in ("train", "heldout")}
-    cached = {split: load_cached(cache_dir / split, manifest) for split, manifest in manifests.items()}
+    # eval (train=False) reads the held-out split alone: the train split's cache is not even looked for
+    cached = {split: load_cached(cache_dir / split, manifest) if train or split == "heldout" else None
+              for split, manifest in manifests.items()}
     if cached["heldout"] is not None and (cached["train"] is not None or not train):
         return cached["train"], cached["heldout"]
     conversations, samples = list(pool.conversations), list(pool.samples)

@@ -266,7 +266,7 @@ def _mismatch(cache_dir: Path, manifest: Mapping[str, Any]) -> str | None:
     except (OSError, ValueError) as err:
         return f"distillation cache manifest {manifest_path} is unreadable ({err})"
     reason = manifest_difference(cached, manifest)
-    return None if reason is None else f"distillation cache at {cache_dir} is stale: {reason}"
+    return None if reason is None else f"distillation cache at {cache_dir} was made otherwise: {reason}"
 
 
 # Earlier versions of a cache kept beside it (`train@<fingerprint>`), so that going back to earlier settings

@@ -93,8 +93,8 @@ def test_the_held_out_split_alone_is_distilled_for_eval(model, chat_tokenizer, t
     assert torch.equal(held.tokens, full_held.tokens)
     monkeypatch.setattr(distill, "generate_padded", no_generation)
     train, again = self_distill(model, chat_tokenizer, pool, "tiny", settings, tmp_path / "cache", 0, SYSTEM, EOS,
-                                train=False)  # both cached: both returned, nothing generated
-    assert train is not None and torch.equal(again.tokens, held.tokens)
+                                train=False)  # cached: nothing generated, the train split not read
+    assert train is None and torch.equal(again.tokens, held.tokens)
 
 
 def test_self_prompts_join_the_pool_and_are_cached(model, chat_tokenizer, tmp_path, monkeypatch):

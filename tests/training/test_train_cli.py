@@ -173,3 +173,21 @@ def test_ctrl_c_says_what_was_kept_without_a_traceback(tmp_path, monkeypatch, ca
     assert cli.main(["train", f"output_dir={run}"]) == 130
     err = capsys.readouterr().err
     assert "step-0000004" in err and "--resume" in err and "Traceback" not in err
+
+
+def test_eval_refuses_a_tree_deeper_than_the_heads_reach(tmp_path, monkeypatch, capsys):
+    """A tree of depth 4 on 2 heads was an IndexError deep in the accepted-length count; an unknown tree fails
+    before the model loads."""
+    from test_data import write_jsonl
+    from tiny_models import tiny_decoder
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"question": "a"}])
+    run = saved_run(tmp_path, f"data.sources=[{prompts}]")
+    base, heads = tiny_decoder(num_heads=2)
+    heads.save_pretrained(run / "heads")
+    monkeypatch.setattr(pipeline, "load_base", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    assert cli.main(["eval", "--heads", str(run / "heads"), "--tree", "no-such-tree"]) == 2
+    assert "no-such-tree" in capsys.readouterr().err
+    monkeypatch.setattr(pipeline, "load_base", lambda *a, **k: (base, None, "tiny", None, [2]))
+    assert cli.main(["eval", "--heads", str(run / "heads"), "--tree", "chain-4"]) == 2
+    assert "--tree chain-4: path" in (err := capsys.readouterr().err) and "at most 2 deep" in err
