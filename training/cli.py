@@ -115,7 +115,7 @@ def _eval(args) -> int:
     from medusa.training.data import batches
     from medusa.training.distill import self_distill
     from medusa.training.evaluate import evaluate_heads
-    from medusa.training.pipeline import _first, gather_conversations, load_base
+    from medusa.training.pipeline import _first, distill_model_key, gather_conversations, load_base
     from medusa.training.prompt_mix import source_specs
     from medusa.tree import TreeSpec
 
@@ -132,7 +132,8 @@ def _eval(args) -> int:
         raise ValueError(f"{which}: {err}; pick a tree at most {heads.config.num_heads} deep") from None
     pool = gather_conversations(config)
     cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"
-    _, heldout = self_distill(base, tokenizer, pool, model_id, config.data, cache, config.seed, system_prompt, eos,
+    key = distill_model_key(model_id, args.model or config.model)
+    _, heldout = self_distill(base, tokenizer, pool, key, config.data, cache, config.seed, system_prompt, eos,
                               train=False)  # the held-out split is all eval reads
     if len(heldout) == 0:
         raise ValueError(f"the held-out split is empty (data.holdout_fraction={config.data.holdout_fraction} of "

@@ -210,6 +210,27 @@ def _describe_file(path: Path) -> dict[str, Any]:
             "sha256": digest.hexdigest()}
 
 
+# Weight and config files a model folder's fingerprint reads (their names, sizes, first and last MiB)
+MODEL_FILES = (".safetensors", ".bin", ".gguf", ".json")
+
+
+def model_fingerprint(path: str | os.PathLike[str]) -> str:
+    """12 hex digits that change when a model folder's (or file's) weights or config do: new weights saved
+    under the same path must not reuse answers the old ones wrote. Cheap on any size: each file's name and
+    size and its first and last MiB, not the whole of it."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in MODEL_FILES and p.is_file())
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(size - (1 << 20), 0))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:12]
+
+
 def manifest_difference(cached: Mapping[str, Any], wanted: Mapping[str, Any]) -> str | None:
     """Why `cached` cannot stand in for `wanted` (None when it can).
 

@@ -16,6 +16,7 @@ from medusa.model import DecoderModel
 from medusa.training.config import TrainConfig
 from medusa.training.data import Sequences, batches
 from medusa.training.distill import self_distill
+from medusa.training.distill_cache import model_fingerprint
 from medusa.training.evaluate import EvalResult, evaluate_heads
 from medusa.training.prompt_mix import PromptPool, gather_prompts, source_specs
 from medusa.training.trainer import Trainer, latest_checkpoint, no_checkpoint_message
@@ -38,6 +39,12 @@ def load_base(model: str | None, dtype: torch.dtype | None = None, device: torch
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     eos = set(base.config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     return base, tokenizer, model_id, system_prompt, sorted(eos)
+
+
+def distill_model_key(model_id: str, model: str | None) -> str:
+    """The model as the distillation cache's manifest names it: a given folder with a fingerprint of its files
+    (retrained weights saved to the same path reused the old answers); the default model by name."""
+    return model_id if model is None else f"{model_id}@{model_fingerprint(model)}"
 
 
 def gather_conversations(config: TrainConfig) -> PromptPool:
@@ -76,8 +83,8 @@ def run_training(config: TrainConfig, resume: bool = False, tree_name: str | Non
     cache = Path(config.data.cache_dir) if config.data.cache_dir else output / "distill"
     with state.main_process_first():  # the others find the main process's data in the cache
         pool = gather_conversations(config)
-        train, heldout = self_distill(base, tokenizer, pool, model_id, config.data, cache, config.seed,
-                                      system_prompt, eos)
+        train, heldout = self_distill(base, tokenizer, pool, distill_model_key(model_id, config.model), config.data,
+                                      cache, config.seed, system_prompt, eos)
     timings["distill_s"] = time.perf_counter() - start
     check_splits(train, heldout, config)
     trainer = Trainer(config, base, train, base_name=model_id)

@@ -303,3 +303,23 @@ def test_batches_deterministic_per_epoch_and_resumable():
     with pytest.raises(ValueError, match="skip"):
         batches(seqs, 256, seed=7, epoch=0, skip=len(first) + 1)
     assert len(batch_plan(seqs, 256, seed=7, epoch=0)) == len(first)
+
+
+def test_model_fingerprint_changes_with_the_weights_not_the_path(tmp_path):
+    """Retrained weights saved under the same path must not reuse answers the old ones wrote."""
+    from medusa.training.distill_cache import model_fingerprint
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"hidden_size": 8}')
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * 10_000)  # past 2 MiB: head and tail read
+    (folder / "README.md").write_text("not read")
+    first = model_fingerprint(folder)
+    (folder / "README.md").write_text("still not read")
+    moved = tmp_path / "elsewhere"
+    folder.rename(moved)
+    assert model_fingerprint(moved) == first
+    weights = bytearray((moved / "model.safetensors").read_bytes())
+    weights[-5] ^= 1  # the last MiB changes
+    (moved / "model.safetensors").write_bytes(bytes(weights))
+    assert model_fingerprint(moved) != first
