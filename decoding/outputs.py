@@ -10,6 +10,7 @@ from functools import cached_property
 @dataclass
 class RequestStats:
     steps: int = 0  # verification steps
+    drafting_steps: int = 0  # of those, the ones that verified drafted tokens (a plain step drafts none)
     drafted_tokens: int = 0
     accepted_tokens: int = 0  # drafted tokens the base agreed with
     accepted_from_lookup: int = 0  # of those, the ones on the prompt-lookup chain (EngineConfig.prompt_lookup)
@@ -24,6 +25,7 @@ class RequestStats:
         """One sequence's verification step: `drafted` tree tokens (max_depth deep), `count` tokens emitted,
         `from_lookup` of whose drafts came through the prompt-lookup chain."""
         self.steps += 1
+        self.drafting_steps += drafted > 0
         self.drafted_tokens += drafted
         self.accepted_tokens += count - 1
         self.accepted_from_lookup += from_lookup
@@ -39,6 +41,7 @@ class RequestStats:
         (1 + accepted drafts) each, `from_lookup` drafts through the lookup chain in all; accepted_lengths
         stays as it is (the engine's totals keep none)."""
         self.steps += len(counts)
+        self.drafting_steps += len(counts) if drafted else 0
         self.drafted_tokens += drafted * len(counts)
         self.accepted_tokens += sum(counts) - len(counts)
         self.accepted_from_lookup += from_lookup

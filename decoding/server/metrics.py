@@ -52,10 +52,12 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 def _speculation(totals: list) -> Iterable:
     """Counters of the speculative engine only: plain decoding drafts nothing and would dilute the mean."""
-    steps = sum(t.steps for t in totals)
+    # vLLM's num_drafts: steps that drafted (plain steps, which the policy runs where trees do not pay, count
+    # no draft; counted, they made the mean accepted length read ~1.0 on a CPU that runs plain steps)
+    steps = sum(t.drafting_steps for t in totals)
     drafted = sum(t.drafted_tokens for t in totals)
     accepted = sum(t.accepted_tokens for t in totals)
-    yield CounterMetricFamily(PREFIX + "spec_decode_num_drafts", "Verification steps (one tree each).", value=steps)
+    yield CounterMetricFamily(PREFIX + "spec_decode_num_drafts", "Verification steps that drafted tokens (one tree each).", value=steps)
     yield CounterMetricFamily(PREFIX + "spec_decode_num_draft_tokens", "Tree tokens drafted (by the heads and prompt lookup).",
                               value=drafted)
     yield CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens", "Drafted tokens the base model accepted.",

@@ -30,3 +30,14 @@ def test_it_stays_frozen_and_compares_without_the_shared_token_list():
     assert out != make(_num_tokens=2)
     assert dataclasses.replace(out, finished=True, finish_reason="stop").finished
     assert "_output_ids" not in repr(out)
+
+
+def test_plain_steps_count_as_steps_but_not_as_drafts():
+    """vLLM's num_drafts counts steps that drafted: the plain steps a policy runs where trees do not pay draft
+    nothing (counted, they pulled the server's mean accepted length to ~1.0)."""
+    stats = RequestStats()
+    stats.record_step(drafted=7, max_depth=3, count=3)
+    stats.record_step(drafted=0, max_depth=0, count=1)
+    stats.record_steps(drafted=4, max_depth=2, counts=[2, 1])
+    stats.record_steps(drafted=0, max_depth=0, counts=[1, 1, 1])
+    assert (stats.steps, stats.drafting_steps, stats.accepted_tokens) == (7, 3, 3)

@@ -63,7 +63,8 @@ def test_counters_move_with_requests(real_server, real_model):
     # 1 + its accepted drafts (the last step may be cut short by max_tokens)
     drafts = value(delta, "medusa:spec_decode_num_drafts_total")
     accepted = value(delta, "medusa:spec_decode_num_accepted_tokens_total")
-    assert 1 <= drafts <= usage["completion_tokens"] - 1 <= drafts + accepted
+    # (plain steps, where the policy runs them, draft nothing and count no draft)
+    assert 1 <= drafts <= usage["completion_tokens"] - 1
     assert value(delta, "medusa:spec_decode_num_draft_tokens_total") >= drafts
     per_depth = {dict(labels)["depth"]: v for (n, labels), v in delta.items()
                  if n == "medusa:spec_decode_num_accepted_tokens_per_depth_total"}
