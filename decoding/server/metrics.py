@@ -54,10 +54,11 @@ def _speculation(totals: list) -> Iterable:
     """Counters of the speculative engine only: plain decoding drafts nothing and would dilute the mean."""
     # vLLM's num_drafts: steps that drafted (plain steps, which the policy runs where trees do not pay, count
     # no draft; counted, they made the mean accepted length read ~1.0 on a CPU that runs plain steps)
-    steps = sum(t.drafting_steps for t in totals)
+    drafts = sum(t.drafting_steps for t in totals)
     drafted = sum(t.drafted_tokens for t in totals)
     accepted = sum(t.accepted_tokens for t in totals)
-    yield CounterMetricFamily(PREFIX + "spec_decode_num_drafts", "Verification steps that drafted tokens (one tree each).", value=steps)
+    yield CounterMetricFamily(PREFIX + "spec_decode_num_drafts",
+                              "Verification steps that drafted tokens (one tree each).", value=drafts)
     yield CounterMetricFamily(PREFIX + "spec_decode_num_draft_tokens", "Tree tokens drafted (by the heads and prompt lookup).",
                               value=drafted)
     yield CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens", "Drafted tokens the base model accepted.",
@@ -77,7 +78,7 @@ def _speculation(totals: list) -> Iterable:
         per_depth.add_metric([str(d + 1)], count)
     yield per_depth
     yield _gauge("spec_decode_mean_accepted_length", "Tokens emitted per verification step (1 + accepted / drafts).",
-                 1 + accepted / steps if steps else 0.0)
+                 1 + accepted / drafts if drafts else 0.0)
 
 
 class ServerMetrics:
