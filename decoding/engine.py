@@ -932,7 +932,7 @@ class LLMEngine:
                 noted += token_logprobs(logits, prompt[begin + 1: end + 1], request.params.prompt_logprobs)
 
     def _forget(self, sub: str) -> None:
-        """A sequence leaves the engine (finished or aborted): its decode row freed, its sampling uncounted."""
+        """A sequence leaves the engine (finished or aborted): its decode row freed, its traffic uncounted."""
         request = self.requests.pop(sub, None)
         if request is not None:
             self._count(request, -1)

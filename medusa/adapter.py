@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from medusa.heads import MedusaHeads
 from medusa.model import DecoderModel
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter.safetensors", "adapter_config.json"
@@ -49,3 +50,14 @@ def merge_lora(model: DecoderModel, folder: str | Path) -> int:
         weight.add_(delta.to(weight.device, weight.dtype))
         merged += 1
     return merged
+
+
+def heads_for_base(base: DecoderModel, folder: str | Path, dtype: torch.dtype | None = None,
+                   device: str | torch.device | None = None) -> tuple[MedusaHeads, bool]:
+    """(the heads of `folder`, whether an adapter was merged): Medusa-2 heads first fold their LoRA into `base`,
+    since they only work with the adapted base."""
+    merged = has_adapter(folder)
+    if merged:
+        merge_lora(base, folder)
+    heads = MedusaHeads.from_pretrained(folder, lm_head_weight=base.lm_head.weight, dtype=dtype, device=device)
+    return heads, merged

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from medusa.adapter import has_adapter, merge_lora
+from medusa.adapter import heads_for_base
 from medusa.chat import chat_prompt_ids
 from medusa.decoding.detokenizer import IncrementalDetokenizer
 from medusa.decoding.engine import EngineConfig, LLMEngine, stream
@@ -175,11 +175,10 @@ class MedusaModel:
         base = load_base_model(path, dtype=dtype, device=device)
         tokenizer = _load_tokenizer(path)
         adapter = None
-        if isinstance(heads, (str, Path)):
-            if has_adapter(heads):  # Medusa-2: the heads were trained with a LoRA on the base
-                merge_lora(base, heads)
-                adapter = Path(heads)
-            heads = MedusaHeads.from_pretrained(heads, lm_head_weight=base.lm_head.weight, dtype=dtype, device=device)
+        if isinstance(heads, (str, Path)):  # Medusa-2 heads merge the LoRA they were trained with into the base
+            folder = Path(heads)
+            heads, merged = heads_for_base(base, folder, dtype=dtype, device=device)
+            adapter = folder if merged else None
         if isinstance(heads, MedusaHeads):
             _check_heads_fit(heads, base)
             heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)

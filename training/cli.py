@@ -150,13 +150,11 @@ def _eval(args) -> int:
 def heads_on_their_base(base, folder: str):
     """The heads of `folder`, float32 on the base's device; Medusa-2 heads first merge their LoRA adapter into
     `base`, which they were trained with (measured on the plain base they fall short, as they would not in use)."""
-    from medusa.adapter import has_adapter, merge_lora
-    from medusa.heads import MedusaHeads
+    from medusa.adapter import heads_for_base
 
-    if has_adapter(folder):
-        merge_lora(base, folder)
+    heads, merged = heads_for_base(base, folder)
+    if merged:
         print(f"medusa-train eval: merged the Medusa-2 LoRA adapter of {folder} into the base", file=sys.stderr)
-    heads = MedusaHeads.from_pretrained(folder, lm_head_weight=base.lm_head.weight)
     return heads.float().to(base.lm_head.weight.device)
 
 

@@ -181,20 +181,20 @@ def distill_plan(settings: DataSection, train_samples: list[int] | None, heldout
     parts = []
     if train_samples is not None:
         n = len(train_samples)
-        answers = [f"{n} greedy", _count(sum(train_samples), "sampled answer")]
+        answers = [f"{n} greedy", _plural(sum(train_samples), "sampled answer")]
         if settings.followup_fraction:
-            answers.append(_count(round(n * settings.followup_fraction), "follow-up turn"))
+            answers.append(_plural(round(n * settings.followup_fraction), "follow-up turn"))
         if settings.context_tasks:
             answers.append(f"about {settings.context_tasks} context tasks")
-        parts.append(f"{_count(n, 'train prompt')} ({' + '.join(answers)})")
+        parts.append(f"{_plural(n, 'train prompt')} ({' + '.join(answers)})")
     if heldout:
-        parts.append(f"{_count(heldout, 'held-out prompt')} (greedy)")
+        parts.append(f"{_plural(heldout, 'held-out prompt')} (greedy)")
     hint = " (data.limit=N reads N prompts per file)" if settings.limit is None else ""
     return (f"self-distilling {' and '.join(parts)}, up to {settings.max_new_tokens} new tokens each, in batches of "
             f"{settings.distill_batch_size}, cached in {cache_dir}{hint}")
 
 
-def _count(n: int, noun: str) -> str:
+def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
