@@ -42,9 +42,12 @@ def load_base(model: str | None, dtype: torch.dtype | None = None, device: torch
 
 
 def distill_model_key(model_id: str, model: str | None) -> str:
-    """The model as the distillation cache's manifest names it: a given folder with a fingerprint of its files
-    (retrained weights saved to the same path reused the old answers); the default model by name."""
-    return model_id if model is None else f"{model_id}@{model_fingerprint(model)}"
+    """The model as the distillation cache's manifest names it: its name with a fingerprint of its files
+    (retrained weights saved to the same path reused the old answers); the default model's is its GGUF file's,
+    which `$MEDUSA_DEFAULT_GGUF` may swap for another."""
+    from medusa.default_model import find_default_gguf
+
+    return f"{model_id}@{model_fingerprint(find_default_gguf() if model is None else model)}"
 
 
 def gather_conversations(config: TrainConfig) -> PromptPool:

@@ -323,3 +323,16 @@ def test_model_fingerprint_changes_with_the_weights_not_the_path(tmp_path):
     weights[-5] ^= 1  # the last MiB changes
     (moved / "model.safetensors").write_bytes(bytes(weights))
     assert model_fingerprint(moved) != first
+
+
+def test_distill_model_key_fingerprints_the_default_models_file(tmp_path, monkeypatch):
+    """`$MEDUSA_DEFAULT_GGUF` may point the default model at another file: its answers are not the old file's."""
+    from medusa.training.pipeline import distill_model_key
+
+    gguf = tmp_path / "default.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    monkeypatch.setenv("MEDUSA_DEFAULT_GGUF", str(gguf))
+    first = distill_model_key("SmolLM2-135M-Instruct", None)
+    assert first.startswith("SmolLM2-135M-Instruct@")
+    gguf.write_bytes(b"GGUF" + bytes(99) + b"\x01")
+    assert distill_model_key("SmolLM2-135M-Instruct", None) != first
