@@ -27,7 +27,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], system_prompt: str | None = None, *,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of the conversation, ending where the assistant's reply starts (or, with
     `continue_final_message`, inside the last message, so the reply continues it; with
     add_generation_prompt=False, after the last message).
@@ -35,7 +35,9 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], system_p
     `system_prompt` is prepended when the conversation has no system message
     (SmolLM2 answers far better with its own). The template writes any BOS itself, so
     the text is tokenized without the tokenizer's own special tokens. `tools` (OpenAI's tool
-    definitions) go to the template, which shows them to the model if it knows how.
+    definitions) go to the template, which shows them to the model if it knows how. `template_kwargs`: more
+    variables for the template (vLLM's chat_template_kwargs, say enable_thinking); they may not replace the ones
+    named here.
     """
     messages = validate_messages(messages)
     if add_generation_prompt and continue_final_message:
@@ -45,7 +47,11 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], system_p
         messages = [{"role": "system", "content": system_prompt}, *messages]
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this tokenizer has no chat template: pass a plain prompt string or token ids instead")
+    named = {"messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template"}
+    clash = sorted(named & set(template_kwargs or {}))
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)} (given by their own arguments)")
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message)
+                                         continue_final_message=continue_final_message, **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]

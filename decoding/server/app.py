@@ -17,6 +17,8 @@ import dataclasses
 import hmac
 import json
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from itertools import groupby
 from typing import Any
@@ -55,6 +57,9 @@ class ServerState:
         self.live: set[asyncio.Queue] = set()  # output queues of requests in flight
         self.closing = False
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, for signal handlers
+        # requests are parsed and tokenized (chat templates included) off the event loop, one at a time: a
+        # prompt of 400k words took the loop 4.7 s on a CPU, and every stream in flight stalled meanwhile
+        self._preparing = ThreadPoolExecutor(1, thread_name_prefix="medusa-prepare")
         self.metrics = ServerMetrics(self._engine_list, self._pending)
         self.engine(True)  # build the default engine now, not on the first request
 
@@ -71,6 +76,12 @@ class ServerState:
             log.info("engine (speculative=%s): tree per batch size %s", key, bucket_runs(trees) or "by token budget")
             self.engines[key] = AsyncLLMEngine(llm)
         return self.engines[key]
+
+    async def prepare(self, build: Callable[[], Any]) -> Any:
+        """`build()` (a request's parse and tokenization) in the preparing thread; its errors are raised here."""
+        if self.closing:  # the thread may be gone
+            raise shutting_down()
+        return await asyncio.get_running_loop().run_in_executor(self._preparing, build)
 
     def _engine_list(self) -> list[tuple[LLMEngine, bool]]:
         return [(e.engine, key) for key, e in list(self.engines.items())]
@@ -118,6 +129,7 @@ class ServerState:
             await asyncio.sleep(0.02)
         for engine in self.engines.values():
             await engine.shutdown()
+        self._preparing.shutdown(wait=False)
 
 
 def bucket_runs(trees: dict[int, str]) -> str:
@@ -174,34 +186,40 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = await _parse(request, state, p.ChatCompletionRequest)
-        return await _serve(request, state, chat_job(req, state.model, state.max_model_len, state.tool_parser))
+        body = await _authorized_body(request, state)
+        job = await state.prepare(lambda: chat_job(_validated(body, p.ChatCompletionRequest, state), state.model,
+                                                   state.max_model_len, state.tool_parser))
+        return await _serve(request, state, job)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await _parse(request, state, p.CompletionRequest)
-        return await _serve(request, state, completion_job(req, state.model, state.max_model_len))
+        body = await _authorized_body(request, state)
+        job = await state.prepare(lambda: completion_job(_validated(body, p.CompletionRequest, state), state.model,
+                                                         state.max_model_len))
+        return await _serve(request, state, job)
 
     # vLLM's extra routes, outside /v1 (so, as there, no API key): no engine step runs for them
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> JSONResponse:
         body = await request.body()
-        req = _validated(body, tokenize_request_type(_json_or_none(body)), state)
-        return JSONResponse(tokenize(req, state.model, state.max_model_len).model_dump())
+        answer = await state.prepare(lambda: tokenize(_validated(body, tokenize_request_type(_json_or_none(body)),
+                                                                 state), state.model, state.max_model_len))
+        return JSONResponse(answer.model_dump())
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> JSONResponse:
-        req = _validated(await request.body(), p.DetokenizeRequest, state)
-        return JSONResponse(detokenize(req, state.model).model_dump())
+        body = await request.body()
+        answer = await state.prepare(lambda: detokenize(_validated(body, p.DetokenizeRequest, state), state.model))
+        return JSONResponse(answer.model_dump())
 
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse(p.VersionResponse(version=medusa.__version__).model_dump())
 
 
-async def _parse(request: Request, state: ServerState, cls: type[p.BaseModel]) -> Any:
+async def _authorized_body(request: Request, state: ServerState) -> bytes:
     state.authorize(request)
-    return _validated(await request.body(), cls, state)
+    return await request.body()
 
 
 def _validated(body: bytes, cls: type[p.BaseModel], state: ServerState) -> Any:

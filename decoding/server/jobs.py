@@ -40,6 +40,12 @@ GREEDY_BELOW = 1e-5
 UNSERVED = {"use_beam_search": "beam search is not implemented",
             "logits_processors": "custom logits processors are not served",
             "prompt_embeds": "prompts are served as text or token ids only"}
+CHAT_UNSERVED = {"echo": "a chat answer does not repeat the conversation (use /v1/completions with echo)",
+                 "functions": "the legacy function-calling API is not served: give tools (and tool_choice)",
+                 "function_call": "the legacy function-calling API is not served: give tools and tool_choice"}
+# /v1/chat/completions' and /tokenize's
+TEMPLATE_UNSERVED = {"chat_template": "a request's own chat template is not trusted (vLLM's default too); the "
+                                      "server's is set with `medusa serve --chat-template`"}
 
 
 def context_limit(model: Any, config: EngineConfig) -> int:
@@ -62,6 +68,7 @@ class Job:
     continuous_usage: bool = False  # every streamed chunk carries the usage so far (vLLM's continuous_usage_stats)
     prompt_logprobs: int | None = None  # vLLM's: the response carries each prompt token's logprob and top k
     tools: ToolPlan | None = None  # chat: how the answer becomes tool calls (None: it is text)
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
 
     @property
     def num_choices(self) -> int:
@@ -70,6 +77,7 @@ class Job:
 
 def chat_job(req: ChatCompletionRequest, model: Any, max_model_len: int, tool_parser: str | None = None) -> Job:
     """`tool_parser`: the server's parser of tool calls in free text (tool_choice "auto"), or None."""
+    _refuse_unserved(req, CHAT_UNSERVED)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
     plan = tool_plan(req, tool_parser)
@@ -86,11 +94,14 @@ def chat_job(req: ChatCompletionRequest, model: Any, max_model_len: int, tool_pa
 def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest, model: Any) -> list[int]:
     """The conversation's token ids through the model's chat template (its system prompt where the conversation
     has none), as the request's template options say."""
+    _refuse_unserved(req, TEMPLATE_UNSERVED)
     messages = [_template_message(i, message) for i, message in enumerate(req.messages)]
     return _encode(lambda: chat_prompt_ids(model.tokenizer, messages, model.system_prompt,
                                            add_generation_prompt=req.add_generation_prompt,
                                            continue_final_message=req.continue_final_message,
-                                           tools=template_tools(req.tools)), "messages")
+                                           tools=template_tools(req.tools),
+                                           template_kwargs=req.chat_template_kwargs), "messages",
+                   ("chat_template_kwargs",))
 
 
 def _template_message(i: int, message: Any) -> dict[str, Any]:
@@ -139,9 +150,7 @@ def completion_job(req: CompletionRequest, model: Any, max_model_len: int) -> Jo
 
 def _job(kind: str, req: _SamplingRequest, prompts: list[list[int]], params: SamplingParams,
          echo: list[str] | None = None) -> Job:
-    for name, why in UNSERVED.items():
-        if getattr(req, name) not in (None, False, "", [], {}):
-            raise unsupported(name, why)
+    _refuse_unserved(req, UNSERVED)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if req.prompt_logprobs is not None and req.stream:
@@ -151,7 +160,14 @@ def _job(kind: str, req: _SamplingRequest, prompts: list[list[int]], params: Sam
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return Job(kind, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.speculative is not False,
                bool(req.stream), include_usage, echo, include_usage and bool(options.continuous_usage_stats),
-               req.prompt_logprobs)
+               req.prompt_logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids))
+
+
+def _refuse_unserved(req: Any, fields: dict[str, str]) -> None:
+    """A 400 for the first of `fields` the request sets (vLLM clients send them at their defaults)."""
+    for name, why in fields.items():
+        if getattr(req, name) not in (None, False, "", [], {}):
+            raise unsupported(name, why)
 
 
 def _prompt_list(prompt: Any) -> list[Any]:
@@ -167,12 +183,14 @@ def _prompt_list(prompt: Any) -> list[Any]:
     return prompts
 
 
-def _encode(encode: Callable[[], list[int]], param: str) -> list[int]:
-    """`encode()`'s token ids, its errors (bad input) a 400 naming `param`."""
+def _encode(encode: Callable[[], list[int]], param: str, own: tuple[str, ...] = ()) -> list[int]:
+    """`encode()`'s token ids, its errors (bad input) a 400 naming `param`, or the field of `own` that the
+    error's message starts with."""
     try:
         ids = encode()
     except (ValueError, TypeError, TemplateError) as err:  # out-of-vocabulary ids, no chat template,
-        raise bad_request(str(err), param) from None       # a template refusing the conversation
+        named = [field for field in own if str(err).startswith(field)]  # a template refusing the conversation
+        raise bad_request(str(err), named[0] if named else param) from None
     if not ids:
         raise bad_request(f"{param} encodes to no tokens", param)
     return ids
@@ -181,12 +199,13 @@ def _encode(encode: Callable[[], list[int]], param: str) -> list[int]:
 def _sampling_params(req: _SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
                      logprobs: int | None, model: Any, max_model_len: int,
                      tool_schema: dict | None = None) -> SamplingParams:
-    room = _room(prompts, max_model_len)
+    room = _room(prompts, max_model_len, "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
     if max_tokens is None:
         max_tokens = room  # OpenAI's chat default: as long as the context allows
     elif max_tokens > room:
-        raise bad_request(f"max_tokens ({max_tokens}) is more than the context leaves after the prompt "
-                          f"({room})", "max_tokens", "context_length_exceeded")
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                          f"{max_tokens} output tokens and your prompt has {max_model_len - room} tokens: max_tokens "
+                          f"may be at most {room}.", "max_tokens", "context_length_exceeded")
     _check_token_ids(req.stop_token_ids or [], model, "stop_token_ids")
     temperature = 1.0 if req.temperature is None else req.temperature
     guides = _guided(req, tool_schema)
@@ -307,11 +326,12 @@ def _allowed_token_ids(allowed: list[int] | None, model: Any) -> tuple[int, ...]
     return tuple(allowed)
 
 
-def _room(prompts: list[list[int]], max_model_len: int) -> int:
-    """Output tokens left after the longest prompt (400 if none)."""
+def _room(prompts: list[list[int]], max_model_len: int, param: str) -> int:
+    """Output tokens left after the longest prompt (400 naming `param`, the prompt's field, if none)."""
     longest = max(len(p) for p in prompts)
-    if longest >= max_model_len:
-        raise APIError(400, f"the prompt has {longest} tokens, but this server's context is {max_model_len} tokens",
+    if longest >= max_model_len:  # vLLM's words: clients (litellm) spot a context overflow by them
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                       f"has {longest} tokens, which leaves no room for the output.", param,
                        code="context_length_exceeded")
     return max_model_len - longest
 

@@ -65,6 +65,7 @@ class _SamplingRequest(_Strict):
     use_beam_search: Any = None
     logits_processors: Any = None
     prompt_embeds: Any = None
+    return_tokens_as_token_ids: bool | None = False  # vLLM's: logprobs name tokens "token_id:<id>"
 
     @field_validator("stop")
     @classmethod
@@ -115,6 +116,8 @@ class _ChatTemplateOptions(_Strict):
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
+    chat_template: Any = None  # vLLM's per-request template: refused, as vLLM refuses an untrusted one (jobs)
 
 
 class FunctionDefinition(_Strict):
@@ -152,6 +155,10 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateOptions):
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's defaults)
     parallel_tool_calls: bool | None = True  # False: tool_choice "required" makes exactly one call
     response_format: dict[str, Any] | None = None
+    # fields read so that a request setting one is refused (jobs.CHAT_UNSERVED), not answered as if unset
+    echo: Any = None  # vLLM's chat echo (the last message repeated in the answer)
+    functions: Any = None  # OpenAI's legacy function calling
+    function_call: Any = None
 
 
 class CompletionRequest(_SamplingRequest):

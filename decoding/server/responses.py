@@ -202,6 +202,13 @@ class Formatter:
     # ---- logprobs ----------------------------------------------------------
 
     def _text(self, token_id: int) -> str:
+        """The token as logprobs name it: its text, or "token_id:<id>" where the request asked (vLLM's
+        return_tokens_as_token_ids, for tokens whose text alone is not unique, or not UTF-8)."""
+        if self.job.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self._decoded(token_id)
+
+    def _decoded(self, token_id: int) -> str:
         if token_id not in self._token_text:
             self._token_text[token_id] = self.tokenizer.decode([token_id])
         return self._token_text[token_id]
@@ -213,7 +220,7 @@ class Formatter:
         table = _byte_table(self.tokenizer)
         if table is not None and 0 <= token_id < len(table):
             return list(table[token_id])
-        return list(self._text(token_id).encode())
+        return list(self._decoded(token_id).encode())
 
     def _chat_logprobs(self, entries: list[TokenLogprob]) -> p.ChatLogprobs | None:
         if self.job.params.logprobs is None:
@@ -262,12 +269,11 @@ class Formatter:
         """Append (token id, its logprob entry or None: the prompt's first token) rows, text offsets from `offset`."""
         k = self.job.params.logprobs  # the prompt's entries may hold more alternatives (prompt_logprobs)
         for token, entry in tokens:
-            text = self._text(token)
-            out.tokens.append(text)
+            out.tokens.append(self._text(token))
             out.token_logprobs.append(None if entry is None else _finite(entry.logprob))
             out.top_logprobs.append(None if entry is None else self._top_row(token, entry, k))
             out.text_offset.append(offset)
-            offset += len(text)
+            offset += len(self._decoded(token))  # offsets into the text, whatever names the tokens
 
     def _top_row(self, token: int, entry: TokenLogprob, k: int) -> dict[str, float]:
         """The k most likely tokens' logprobs by text, and the token written itself where it is not among them

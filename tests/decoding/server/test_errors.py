@@ -118,6 +118,13 @@ BAD = [
     (COMP, comp(structured_outputs={"regex": "(a"}), 400, "structured_outputs"),
     (COMP, comp(structured_outputs={"regex": "a", "choice": ["a"]}), 400, "structured_outputs"),
     (CHAT, chat(use_beam_search=True), 400, "use_beam_search"),
+    (CHAT, chat(chat_template="{{ messages[0].content }}"), 400, "chat_template"),
+    (CHAT, chat(chat_template_kwargs={"add_generation_prompt": False}), 400, "chat_template_kwargs"),
+    (CHAT, chat(echo=True), 400, "echo"),
+    (CHAT, chat(functions=[{"name": "f", "parameters": {}}]), 400, "functions"),
+    (CHAT, chat(function_call="auto"), 400, "function_call"),
+    (COMP, comp(prompt="hello " * 9000), 400, "prompt"),  # past the real model's context too
+    (CHAT, chat(messages=[{"role": "user", "content": "hello " * 9000}]), 400, "messages"),
     (COMP, comp(bad_words=["the", " "]), 400, "bad_words"),
     (COMP, comp(bad_words="the"), 400, "bad_words"),
     (COMP, comp(allowed_token_ids=[1, 99999999]), 400, "allowed_token_ids"),
@@ -351,3 +358,75 @@ def test_real_server_survives_bad_requests(real_server):
             assert_error(post(client, path, body), status, param)
         good = post(client, CHAT, chat(max_tokens=4, temperature=0))
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_context_overflow_speaks_vllms_words(tiny_client):
+    """Clients (litellm) tell a context overflow from other 400s by vLLM's "maximum context length"."""
+    for body, param in ((comp(prompt="hello " * 200), "prompt"), (chat(max_tokens=90), "max_tokens")):
+        resp = post(tiny_client, COMP if "prompt" in body else CHAT, body)
+        assert_error(resp, 400, param)
+        error = resp.json()["error"]
+        assert "maximum context length" in error["message"] and error["code"] == "context_length_exceeded", error
+
+
+def test_tokens_as_token_ids_name_logprobs_tokens_by_id(tiny_client, tiny_model):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>"; completions' text offsets
+    still index the text."""
+    body = comp(logprobs=2, temperature=0, max_tokens=4, return_tokens_as_token_ids=True, echo=False)
+    choice = post(tiny_client, COMP, body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    ids = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
+    assert all(t.startswith("token_id:") for t in logprobs["tokens"])
+    assert all(k.startswith("token_id:") for row in logprobs["top_logprobs"] for k in row)
+    texts = [tiny_model.tokenizer.decode([t]) for t in ids]
+    assert "".join(texts) == choice["text"]
+    assert logprobs["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    plain = post(tiny_client, COMP, {**body, "return_tokens_as_token_ids": False}).json()["choices"][0]
+    assert plain["logprobs"]["tokens"] == texts
+    chat_body = chat(logprobs=True, top_logprobs=1, temperature=0, return_tokens_as_token_ids=True)
+    content = post(tiny_client, CHAT, chat_body).json()["choices"][0]["logprobs"]["content"]
+    assert content and all(e["token"].startswith("token_id:") and e["bytes"] for e in content)
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model):
+    """vLLM's chat_template_kwargs are more variables for the template (a Qwen 3 template reads enable_thinking)."""
+    from medusa.decoding.server.jobs import chat_prompt
+    from medusa.decoding.server.protocol import ChatCompletionRequest
+
+    tokenizer = tiny_model.tokenizer
+    saved = tokenizer.chat_template
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if shout %}!!{% endif %}"
+    try:
+        ids = {flag: chat_prompt(ChatCompletionRequest(messages=MSG, chat_template_kwargs={"shout": flag}),
+                                 tiny_model) for flag in (False, True)}
+    finally:
+        tokenizer.chat_template = saved
+    assert tokenizer.decode(ids[True]).endswith("!!") and not tokenizer.decode(ids[False]).endswith("!!")
+
+
+def test_requests_are_prepared_off_the_event_loop(tiny_server, monkeypatch):
+    """A request slow to tokenize (a huge prompt) must not stall the loop: /health answers meanwhile."""
+    import threading
+
+    from medusa.decoding.server import app as app_module
+
+    started, release = threading.Event(), threading.Event()
+    real = app_module.completion_job
+
+    def slow_job(*args):
+        started.set()
+        release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(app_module, "completion_job", slow_job)
+    url, _ = tiny_server
+    answer = {}
+    worker = threading.Thread(target=lambda: answer.update(r=httpx.post(url + COMP, json=comp(), timeout=30)))
+    worker.start()
+    try:
+        assert started.wait(10)
+        assert httpx.get(url + "/health", timeout=2).status_code == 200  # served while the job is being built
+    finally:
+        release.set()
+        worker.join(30)
+    assert answer["r"].status_code == 200, answer["r"].text
