@@ -18,6 +18,9 @@ from medusa.decoding.outputs import RequestOutput
 from medusa.decoding.sampling_params import SamplingParams
 
 
+_ABORTED = object()  # put on an aborted request's queue: its stream ends
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -29,7 +32,8 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield this request's outputs step by step; the last one has finished=True."""
+        """Yield this request's outputs step by step; the last one has finished=True, unless the request is
+        aborted (`abort`), which ends the stream after the outputs made before it."""
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -41,6 +45,9 @@ class AsyncLLMEngine:
         try:
             while not finished:
                 item = await queue.get()
+                if item is _ABORTED:
+                    finished = True  # the engine has dropped it already
+                    return
                 if isinstance(item, Exception):
                     finished = True
                     raise item
@@ -54,7 +61,12 @@ class AsyncLLMEngine:
                 self._wake.set()
 
     def abort(self, request_id: str) -> None:
+        """Stop the request: the engine drops it at the next step boundary and its stream ends (a consumer
+        waiting on it is not left waiting). An unknown or finished id is ignored."""
         self._aborts.append(request_id)
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(_ABORTED)
         self._wake.set()
 
     async def shutdown(self) -> None:

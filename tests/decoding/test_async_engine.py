@@ -129,3 +129,31 @@ def test_n_completions_stream_to_the_end_and_step_errors_reach_consumers(tiny):
     finished, error = asyncio.run(main())
     assert finished == [0, 1, 2]
     assert error == "device fell over"
+
+
+def test_abort_ends_the_stream_of_a_waiting_consumer(tiny):
+    """abort(request_id) mid-stream: the consumer's `async for` ends (it used to wait forever) and the engine
+    frees the request's blocks; the other request runs on to its end."""
+    model, heads = tiny
+    engine = LLMEngine(model, heads, EngineConfig(num_blocks=128, block_size=4))
+    served = AsyncLLMEngine(engine)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    async def main():
+        aborted = served.generate([1, 2, 3], params, request_id="gone")
+        kept = served.generate([4, 5, 6], params, request_id="kept")
+        first = await aborted.__anext__()
+        served.abort("gone")
+        rest = [out async for out in aborted]  # ends: no output finishes it
+        kept_outputs = [out async for out in kept]
+        for _ in range(50):
+            if not engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        await served.shutdown()
+        return first, rest, kept_outputs
+
+    first, rest, kept = asyncio.run(asyncio.wait_for(main(), 60))
+    assert not first.finished and not any(out.finished for out in rest)
+    assert kept[-1].finished and len(kept[-1].token_ids) == 24
+    assert not engine.has_unfinished() and engine.stats().kv_usage == 0
