@@ -204,6 +204,8 @@ class LLMEngine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's "
                              f"context of {self.max_model_len} tokens (max_model_len)")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string (or None for a fresh one), got {request_id!r}")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests or f"{rid}#0" in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")

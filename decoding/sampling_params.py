@@ -70,6 +70,10 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        if self.stop_token_ids is None:  # vLLM's default
+            object.__setattr__(self, "stop_token_ids", ())
+        if self.top_k == -1:  # vLLM's "off", as 0 is here
+            object.__setattr__(self, "top_k", 0)
         for name in ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if not (value is None and name in ("seed", "logprobs", "prompt_logprobs")) and not _is_int(value):
@@ -84,9 +88,11 @@ class SamplingParams:
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"stop strings must be non-empty strings, got {text!r} in stop={self.stop!r}")
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos", "speculative"):
+            if not isinstance(getattr(self, name), bool):  # "no" would be true
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for token in self.stop_token_ids:
             if not _is_int(token) or token < 0:
                 raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {token!r}")
@@ -118,8 +124,9 @@ class SamplingParams:
             raise ValueError(f"output_kind must be 'delta' or 'final', got {self.output_kind!r}")
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):  # NumPy's float32 too
                 raise ValueError(f"{name} must be a number, got {value!r}")
+            object.__setattr__(self, name, float(value))
         self.sampling()  # validates temperature, top_p, top_k
 
     def _check_token_limits(self) -> None:

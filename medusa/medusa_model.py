@@ -6,12 +6,14 @@ input (text, chat messages or token ids) into ids, and drives the decoder.
 
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from medusa.adapter import heads_for_base
@@ -310,13 +312,14 @@ class MedusaModel:
         (which writes any BOS itself), or token ids as given (checked against the vocabulary)."""
         if isinstance(inputs, str):
             return self.tokenizer(inputs)["input_ids"]
-        if isinstance(inputs, torch.Tensor):
-            if inputs.dim() > 1 and inputs.shape[0] != 1:
+        if isinstance(inputs, (torch.Tensor, np.ndarray)):
+            if inputs.ndim > 1 and inputs.shape[0] != 1:
                 raise ValueError(f"input_ids must be one sequence, got shape {tuple(inputs.shape)}")
             inputs = inputs.reshape(-1).tolist()
         if isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], dict):
             return chat_prompt_ids(self.tokenizer, inputs, self.system_prompt)
-        if isinstance(inputs, (list, tuple)) and all(isinstance(t, int) for t in inputs):
+        if isinstance(inputs, (list, tuple)) and all(_is_token(t) for t in inputs):
+            inputs = [int(t) for t in inputs]  # NumPy's integers too
             vocab = self.base.config.vocab_size
             bad = [t for t in inputs if not 0 <= t < vocab]
             if bad:
@@ -412,18 +415,24 @@ def generate_params(max_new_tokens: int = 256, stop: str | Sequence[str] | None 
     ranges); its errors name the engine's max_tokens, which generate calls max_new_tokens. The CLI checks
     its options with this before it loads a model."""
     try:
-        return SamplingParams(max_tokens=max_new_tokens, stop=stop, guided_choice=tuple(guided_choice or ()),
-                              **settings)
+        choices = guided_choice if isinstance(guided_choice, str) else tuple(guided_choice or ())
+        return SamplingParams(max_tokens=max_new_tokens, stop=stop, guided_choice=choices, **settings)  # a str: refused
     except (TypeError, ValueError) as err:
         raise type(err)(str(err).replace("max_tokens", "max_new_tokens")) from None
 
 
+def _is_token(value: Any) -> bool:
+    """A token id: a Python or NumPy integer, not a bool (True is no token)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def _is_prompt_list(inputs: Any) -> bool:
     """Several prompts (each a string, a conversation or token ids), not one conversation or one id list."""
-    def listed(p: Any, kind: type) -> bool:
-        return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(x, kind) for x in p)
+    def listed(p: Any, kind: type | None) -> bool:  # kind None: token ids
+        return isinstance(p, (list, tuple)) and bool(p) and all(
+            _is_token(x) if kind is None else isinstance(x, kind) for x in p)
 
-    return listed(inputs, object) and all(isinstance(p, str) or listed(p, dict) or listed(p, int) for p in inputs)
+    return listed(inputs, object) and all(isinstance(p, str) or listed(p, dict) or listed(p, None) for p in inputs)
 
 
 def _eos_ids(base: DecoderModel, tokenizer: Any) -> frozenset[int]:

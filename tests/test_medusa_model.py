@@ -1,5 +1,6 @@
 """The public face on the real default model: inputs, streaming, stops, errors, and logits vs transformers."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +72,8 @@ def test_plain_and_medusa_agree_and_inputs_are_equivalent(model):
     ids = model.encode([{"role": "user", "content": QUESTION}])
     assert model.generate(ids, max_new_tokens=32).token_ids == medusa.token_ids
     assert model.generate(torch.tensor([ids]), max_new_tokens=32).token_ids == medusa.token_ids
+    assert model.generate(np.array(ids), max_new_tokens=32).token_ids == medusa.token_ids  # NumPy ids too
+    assert model.generate([np.int64(t) for t in ids], max_new_tokens=32).token_ids == medusa.token_ids
 
 
 def test_stop_strings_length_and_eos(model):
@@ -123,6 +126,7 @@ def test_a_list_of_conversations_or_of_id_lists_is_a_batch(model):
     ([], "empty"),
     ([10**9], "outside the vocabulary"),
     ({"prompt": "x"}, "prompt string"),
+    ([True, False], "prompt string"),  # no token ids (it failed deep in the embedding)
 ])
 def test_bad_inputs_are_named(model, bad, error):
     with pytest.raises((ValueError, TypeError), match=error):

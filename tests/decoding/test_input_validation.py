@@ -26,6 +26,10 @@ VOCAB = 24
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be a bool, got 1"),
     (dict(min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"),
     (dict(min_p="0.1"), "min_p must be a number"),
+    (dict(ignore_eos="yes"), "ignore_eos must be a bool, got 'yes'"),
+    (dict(speculative="no"), "speculative must be a bool, got 'no'"),  # "no" is truthy: it would speculate
+    (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids, got 5"),
+    (dict(top_k=-2), r"top_k must be >= 0 \(0, or -1 as vLLM has it, is off\), got -2"),
 ])
 def test_sampling_params_reject_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -36,6 +40,18 @@ def test_sampling_params_accept_what_clients_send():
     assert SamplingParams(stop="###").stop == ("###",)  # one string, as the OpenAI API allows
     params = SamplingParams(max_tokens=np.int64(8), seed=np.int32(3), stop_token_ids=[np.int64(5)], temperature=1)
     assert params.stop_token_ids == (5,) and type(params.stop_token_ids[0]) is int
+    vllm_defaults = SamplingParams(top_k=-1, stop_token_ids=None, temperature=np.float32(0.5))  # vLLM's "off"s
+    assert (vllm_defaults.top_k, vllm_defaults.stop_token_ids) == (0, ())
+    assert vllm_defaults.temperature == 0.5 and type(vllm_defaults.temperature) is float
+
+
+def test_generate_refuses_one_string_as_guided_choice():
+    """guided_choice="yes" became the choices y, e, s (a one-letter answer): refused as SamplingParams refuses it."""
+    from medusa.medusa_model import generate_params
+
+    with pytest.raises(ValueError, match="guided_choice must be a list"):
+        generate_params(guided_choice="yes")
+    assert generate_params(guided_choice=["yes", "no"]).guided_choice == ("yes", "no")
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -82,6 +98,13 @@ def test_engine_rejects_trees_deeper_than_the_heads():
     model, heads = tiny_decoder(VOCAB, num_heads=2)
     with pytest.raises(ValueError, match="no tree in config.trees fits the heads: each needs more than their 2 heads"):
         LLMEngine(model, heads, EngineConfig(trees=("chain-3", "chain-4")))
+
+
+@pytest.mark.parametrize("request_id", ["", 5])
+def test_engine_refuses_a_request_id_that_is_no_name(engine, request_id):
+    with pytest.raises(ValueError, match="request_id must be a non-empty string"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id=request_id)
+    assert not engine.has_unfinished()
 
 
 def test_engine_takes_prompt_ids_as_a_list_tensor_or_array(engine):
