@@ -165,10 +165,13 @@ class IncrementalDetokenizer:
     skip_special is False."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False,
-                 skip_special: bool = True) -> None:
+                 skip_special: bool = True, min_tokens: int = 0) -> None:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
         self.tokenizer, self.stop, self.include_stop = tokenizer, tuple(stop), include_stop
+        # vLLM's min_tokens holds stop strings back too: only one that ends in the text of the min_tokens-th
+        # token or later ends the output. `_stops_from`: where that token's text starts (None: not decoded yet)
+        self.min_tokens, self._stops_from = min_tokens, 0 if min_tokens <= 0 else None
         self._source = _text_source(tokenizer, skip_special)
         self.token_ids: list[int] = []
         self.text = ""  # text so far, cut at a stop string once one is seen
@@ -179,6 +182,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the newly releasable text. Sets `stopped` on a stop string."""
+        if self._stops_from is None and len(self.token_ids) + len(token_ids) >= self.min_tokens:
+            self._stops_from = len(self._decoded)  # (a stop ending in this call's earlier tokens' text counts too)
         self.token_ids.extend(token_ids)
         if self.stopped:
             return ""
@@ -217,11 +222,12 @@ class IncrementalDetokenizer:
     def _first_stop(self, text: str) -> tuple[int, str] | None:
         """(where the text ends at the earliest stop string: its start, or its end with include_stop; that
         string); None: no stop string yet. Stops that start at the same place: the first listed."""
-        if not self.stop:
+        if not self.stop or self._stops_from is None:
             return None
-        # only the unreleased tail plus a stop's length can hold a new match
+        # only the unreleased tail plus a stop's length can hold a new match; none ending before _stops_from
         start = max(0, self.released - max((len(s) for s in self.stop), default=0))
-        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s, max(start, self._stops_from - len(s) + 1)), s) for s in self.stop)
+                if i >= 0]
         if not hits:
             return None
         at, stop = min(hits, key=lambda hit: hit[0])

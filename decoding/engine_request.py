@@ -70,7 +70,8 @@ def make_detokenizer(tokenizer: Any, params: SamplingParams) -> IncrementalDetok
         return None
     if params.output_kind == "final" and not params.stop:
         return FinalDetokenizer(tokenizer, params.skip_special_tokens)
-    return IncrementalDetokenizer(tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens,
+                                  params.min_tokens)
 
 
 def token_rules(tokenizer: Any, params: SamplingParams, eos: set[int]) -> TokenRules:

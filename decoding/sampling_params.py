@@ -18,7 +18,7 @@ GUIDES = ("guided_choice", "guided_regex", "guided_json", "guided_grammar")  # a
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
-    min_tokens: int = 0  # EOS and stop tokens are suppressed before this many outputs
+    min_tokens: int = 0  # EOS and stop tokens are suppressed, and stop strings not looked for, before this many outputs
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

@@ -197,3 +197,32 @@ def test_special_tokens_stay_in_the_text_when_not_skipped(tokenizer):
     final = FinalDetokenizer(tokenizer, skip_special=False)
     final.add(mixed)
     assert final.flush() == whole
+
+
+def test_min_tokens_holds_stop_strings_back_as_vllm_does(tokenizer):
+    """A stop string that ends in the text of the first min_tokens - 1 tokens does not end the output (vLLM looks
+    for stop strings only once min_tokens are out); one ending in the min_tokens-th token's text or later does."""
+    ids = tokenizer("1, 2, 3, 4, 5, 6, 7, 8", add_special_tokens=False)["input_ids"]
+    texts = [tokenizer.decode(ids[:n]) for n in range(len(ids) + 1)]
+    first_comma = next(n for n, text in enumerate(texts) if "," in text)  # tokens until the first ", " is out
+
+    def run(min_tokens):
+        detok = IncrementalDetokenizer(tokenizer, [","], min_tokens=min_tokens)
+        for n, token in enumerate(ids, start=1):
+            detok.add([token])
+            if detok.stopped:
+                return n, detok.text
+        return None, detok.text
+
+    assert run(0) == (first_comma, "1")
+    assert run(first_comma) == (first_comma, "1")  # that token is the min_tokens-th: it may stop
+    held, text = run(first_comma + 1)
+    assert held > first_comma + 1 and text == "1, 2"  # the first comma passed, the next one stops
+    assert run(len(ids)) == (None, "1, 2, 3, 4, 5, 6, 7, 8")  # no comma ends in the last token's text
+
+
+def test_the_engine_s_detokenizer_takes_the_requests_min_tokens(tokenizer):
+    from medusa.decoding.engine_request import make_detokenizer
+    from medusa.decoding.sampling_params import SamplingParams
+
+    assert make_detokenizer(tokenizer, SamplingParams(max_tokens=20, min_tokens=10, stop=" 7")).min_tokens == 10
