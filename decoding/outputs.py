@@ -9,13 +9,18 @@ from functools import cached_property
 
 @dataclass
 class RequestStats:
+    """A request's verification steps as the base model verified them: what each step accepted, as vLLM's
+    speculative-decoding counters count it. A step that meets a stop or max_tokens may accept tokens past the end
+    that the output then leaves out, so at the end these can exceed the tokens written; the first output token
+    (the prompt's) is no step. `MedusaModel.generate` reports the written tokens per step (`written_lengths`)."""
+
     steps: int = 0  # verification steps
     drafting_steps: int = 0  # of those, the ones that verified drafted tokens (a plain step drafts none)
     drafted_tokens: int = 0
     accepted_tokens: int = 0  # drafted tokens the base agreed with
     accepted_from_lookup: int = 0  # of those, the ones on the prompt-lookup chain (EngineConfig.prompt_lookup)
     accepted_per_depth: list[int] = field(default_factory=list)
-    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted by each verification step
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens each verification step accepted, + 1
 
     @property
     def mean_accepted_length(self) -> float:
