@@ -436,13 +436,17 @@ class LLMEngine:
         from the candidates copied ahead of part 1, `_forward`) and part 2 queued, so the host's bookkeeping of
         every row still overlaps the device."""
         step, policy = self.runner.decode, self.traffic_policy()  # the one whose tree this is
+        captured = step.capture_seconds
         requests, padded, propose, part1, host, early = self._forward(seqs, tree, prompts)
         timed = timed and self._inflight is not None
+        if step.capture_seconds != captured and self._inflight is not None:
+            self._inflight.timed = False  # its read-back comes after this capture: its charge would hold it
         caught = []
         if host:
             caught = self._catch_up(set(seqs), tree.num_nodes)
             self._verify_on_host(requests, tree, part1, host, early)
         packed, result = step.finish_to_host(tree, padded, len(seqs))
+        timed = timed and step.capture_seconds == captured  # a graph captured at first use (43-79 ms) is no cost
         most = tree.spec.max_depth + 1
         for seq in seqs:
             seq.num_inflight_tokens += most
@@ -658,6 +662,7 @@ class LLMEngine:
         hidden states [P, H] of the prompt chunks it carried, if any). `timed`: its wall time is the step's
         alone (no prefill ran in this engine step), so the policy learns from it."""
         start, policy = time.perf_counter(), self.traffic_policy()  # the one whose tree this is
+        captured = self.runner.decode.capture_seconds
         requests, padded, propose, part1, host, early = self._forward(seqs, tree, prompts)
         self._verify_on_host(requests, tree, part1, host, early)
         packed = self.runner.decode.finish(tree, padded)[: len(seqs)]
@@ -665,6 +670,7 @@ class LLMEngine:
         packed = packed.tolist()  # the step's one device-to-host copy (and its logprobs', where asked)
         outputs = self._apply_rows(requests, tree, packed, noted=self._read_logprobs(requests, logprobs, packed),
                                    policy=policy)
+        timed = timed and self.runner.decode.capture_seconds == captured  # no graph captured at first use in it
         if timed and padded in policy.step_cost:  # the measured policy is on: it learns what steps cost
             policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
         return outputs, part1.prompt_hidden

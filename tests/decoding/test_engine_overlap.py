@@ -265,6 +265,36 @@ def test_steps_sharing_their_time_with_a_prefill_teach_the_policy_nothing(tiny):
         assert not prefilled & set(launched_in), overlap
 
 
+def test_steps_that_capture_a_graph_teach_the_policy_nothing(tiny):
+    """A graph captured at first use (43-79 ms for the default model on an H200) is no step cost: a synchronous
+    step that captures is not timed, nor, overlapped, the step it captures in and the one in flight before it (read
+    back after the capture). Here every step "captures" (the counter moves in each forward), so none is timed;
+    without captures the same traffic is timed."""
+    model, heads = tiny
+    ps = random_prompts(12, VOCAB, 30, seed=11)
+    for overlap in (False, True):
+        timings = {}
+        for capturing in (False, True):
+            engine = engine_for(model, heads, overlap)
+            for tree in engine.scheduler.trees:  # a measured policy at every batch size, so that steps get timed
+                engine.policy.add_prior(tree, unmeasured_prior(4))
+                for bucket in range(1, 65):
+                    engine.policy.add_cost(bucket, tree, 1e-3)
+            timed, observe, forward = [], engine.policy.observe_step, engine._forward
+            engine.policy.observe_step = lambda *a, **kw: timed.append(a) or observe(*a, **kw)
+
+            def capture_then_forward(*args, forward=forward, decode=engine.runner.decode, capturing=capturing):
+                decode.capture_seconds += 0.05 * capturing
+                return forward(*args)
+
+            engine._forward = capture_then_forward
+            done = run_staggered(engine, ps, [SamplingParams(max_tokens=6 + 3 * (i % 4)) for i in range(12)],
+                                 per_step=1)
+            assert len(done) == 12
+            timings[capturing] = len(timed)
+        assert timings[False] > 10 and timings[True] == 0, (overlap, timings)
+
+
 def test_steps_applied_together_are_timed_one_by_one(tiny):
     """With apply_interval=4 the policy is told each timed step's cost, as when every step is applied, not only
     groups of four steps none of which shared its time with a prefill: at 32 requests on the H200, admissions
