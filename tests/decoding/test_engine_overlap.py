@@ -241,6 +241,14 @@ def test_sampled_first_tokens_are_drawn_on_the_device_and_read_a_step_late(tiny)
         assert [finals[rid] for rid in ids] == [o.token_ids for o in synchronous]
 
 
+def measured_everywhere(engine):
+    """A measured policy at every batch size, so that steps get timed."""
+    for tree in engine.scheduler.trees:
+        engine.policy.add_prior(tree, unmeasured_prior(4))
+        for bucket in range(1, 65):
+            engine.policy.add_cost(bucket, tree, 1e-3)
+
+
 def test_steps_sharing_their_time_with_a_prefill_teach_the_policy_nothing(tiny):
     """A prefill's device time (and the admission's sync) lands in the wall time of the decode step that runs
     after it: such steps are not timed. Synchronous steps are timed within their engine step; an overlapped
@@ -249,10 +257,7 @@ def test_steps_sharing_their_time_with_a_prefill_teach_the_policy_nothing(tiny):
     ps = random_prompts(12, VOCAB, 30, seed=11)
     for overlap in (False, True):
         engine = engine_for(model, heads, overlap)
-        for tree in engine.scheduler.trees:  # a measured policy at every batch size, so that steps get timed
-            engine.policy.add_prior(tree, unmeasured_prior(4))
-            for bucket in range(1, 65):
-                engine.policy.add_cost(bucket, tree, 1e-3)
+        measured_everywhere(engine)
         steps, prefilled, timed = [], set(), []
         step, prepare, observe = engine.step, engine.runner.prepare_prefill, engine.policy.observe_step
         engine.step = lambda: steps.append(1) or step()
@@ -276,10 +281,7 @@ def test_steps_that_capture_a_graph_teach_the_policy_nothing(tiny):
         timings = {}
         for capturing in (False, True):
             engine = engine_for(model, heads, overlap)
-            for tree in engine.scheduler.trees:  # a measured policy at every batch size, so that steps get timed
-                engine.policy.add_prior(tree, unmeasured_prior(4))
-                for bucket in range(1, 65):
-                    engine.policy.add_cost(bucket, tree, 1e-3)
+            measured_everywhere(engine)
             timed, observe, forward = [], engine.policy.observe_step, engine._forward
             engine.policy.observe_step = lambda *a, **kw: timed.append(a) or observe(*a, **kw)
 
@@ -304,10 +306,7 @@ def test_steps_applied_together_are_timed_one_by_one(tiny):
     counts = {}
     for interval in (1, 4):  # a closed loop of 8: requests finish, and others are admitted, at most steps
         engine = engine_for(model, heads, True, apply_interval=interval, max_num_seqs=8)
-        for tree in engine.scheduler.trees:  # a measured policy at every batch size, so that steps get timed
-            engine.policy.add_prior(tree, unmeasured_prior(4))
-            for bucket in range(1, 65):
-                engine.policy.add_cost(bucket, tree, 1e-3)
+        measured_everywhere(engine)
         seconds, observe = [], engine.policy.observe_step
         engine.policy.observe_step = lambda *a, **kw: seconds.append(a[2]) or observe(*a, **kw)
         start = time.perf_counter()
