@@ -62,6 +62,7 @@ from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import ScheduledSeq, Scheduler, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
 from medusa.decoding.step_logprobs import StepLogprobs, queue_first_logprobs, queue_step_logprobs
+from medusa.decoding.token_guide import build_seconds
 from medusa.decoding.tree_policy import TreePolicy
 from medusa.heads import MedusaHeads
 from medusa.kernels.paged_attention import kernel_pages
@@ -74,6 +75,15 @@ __all__ = ["EngineConfig", "LLMEngine", "stream"]
 # for 16 rows of a 20-node tree over a 49k vocabulary (a 128k one: 164 MB)
 HOST_CHUNK_ROWS = 16
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are computed at once (a 128k vocabulary: 128 MB in fp32)
+
+
+def cost_clock() -> float:
+    """The clock the tree policy times steps by: wall seconds less the host's time building guide states. A state
+    is built once and kept, so that time is no step's cost, as a graph captured at first use is not. A guided tree
+    step walks every node's state: its trial steps, among a level's first, met many new ones (9 ms each on a
+    2-core CPU), and after a plain decision a tree runs one step in 200 (its charge the median of its last 5), so
+    trees charged that stayed off (session 44: 12 ms of host time a tree step at 8 guided requests)."""
+    return time.perf_counter() - build_seconds()
 
 
 @dataclass
@@ -92,7 +102,7 @@ class _InFlight:
     rows: list[list[int]] | None = None  # read back, waiting to be applied with the next ones
     logprobs: StepLogprobs | None = None  # of its rows that ask, on their way to the host
     noted: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)  # those, read back
-    read_at: float = 0.0  # perf_counter when its rows reached the host
+    read_at: float = 0.0  # `cost_clock` when its rows reached the host
     policy: TreePolicy | None = None  # the tree policy that chose its tree: its costs and acceptance go there
 
 
@@ -177,7 +187,7 @@ class LLMEngine:
         self._pending: list[_InFlight] = []  # read back, not applied yet (at most apply_interval - 1)
         self.apply_interval = config.apply_interval
         self._first_tokens: list[_FirstTokens] = []  # admissions whose first tokens the host has not read
-        self._read_back_time = 0.0  # perf_counter when the last overlapped step's tokens were read back
+        self._read_back_time = 0.0  # `cost_clock` when the last overlapped step's tokens were read back
 
     # ---- public API ------------------------------------------------------
 
@@ -514,7 +524,7 @@ class LLMEngine:
         flight, self._inflight = self._inflight, None
         flight.rows = flight.result.tolist()
         flight.noted = self._read_logprobs(flight.requests, flight.logprobs, flight.rows)
-        flight.read_at = time.perf_counter()
+        flight.read_at = cost_clock()
         self._pending.append(flight)
 
     def _apply_pending(self, ahead: set[Sequence] = frozenset(), ahead_nodes: int = 0) -> list[RequestOutput]:
@@ -526,7 +536,7 @@ class LLMEngine:
             for request in flight.requests:
                 request.seq.num_inflight_tokens -= most
         outputs = self._apply_steps(flights, ahead, ahead_nodes)
-        self._observe_costs(flights, time.perf_counter())
+        self._observe_costs(flights, cost_clock())
         return outputs
 
     def _observe_costs(self, flights: list[_InFlight], applied_at: float) -> None:
@@ -661,7 +671,7 @@ class LLMEngine:
         """One batched verification step for every decoding sequence, read back at once -> (outputs, the
         hidden states [P, H] of the prompt chunks it carried, if any). `timed`: its wall time is the step's
         alone (no prefill ran in this engine step), so the policy learns from it."""
-        start, policy = time.perf_counter(), self.traffic_policy()  # the one whose tree this is
+        start, policy = cost_clock(), self.traffic_policy()  # the one whose tree this is
         captured = self.runner.decode.capture_seconds
         requests, padded, propose, part1, host, early = self._forward(seqs, tree, prompts)
         self._verify_on_host(requests, tree, part1, host, early)
@@ -672,7 +682,7 @@ class LLMEngine:
                                    policy=policy)
         timed = timed and self.runner.decode.capture_seconds == captured  # no graph captured at first use in it
         if timed and padded in policy.step_cost:  # the measured policy is on: it learns what steps cost
-            policy.observe_step(padded, tree.spec, time.perf_counter() - start, propose)
+            policy.observe_step(padded, tree.spec, cost_clock() - start, propose)
         return outputs, part1.prompt_hidden
 
     def _apply_rows(self, requests: list[EngineRequest], tree: DeviceTree, rows: list[list[int]],

@@ -17,6 +17,8 @@ under a guide: characters a tokenizer splits across tokens cannot be written.
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 import weakref
 from typing import Any, Sequence
@@ -34,6 +36,37 @@ MAX_STATES = 1024  # DFA states a guide keeps the moves and masks of (a string u
 MAX_GUIDES = 16  # patterns whose guides are kept
 _tries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> VocabTrie
 _guides: dict[tuple[int, str], RegexGuide] = {}  # (id(trie), pattern) -> guide; a few patterns live at once
+
+
+class _BuildClock:
+    """Host seconds spent building guide states (moves, masks, forced text, mask rows on the device) in this
+    process. A state is built once and kept, so the time is a one-off, as a graph captured at first use is:
+    the engine's tree policy leaves it out of the step it fell in (`build_seconds`). Builds nest (forced text
+    walks moves): only the outermost is counted, per thread."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._local = threading.local()
+
+    def __enter__(self) -> None:
+        depth = getattr(self._local, "depth", 0)
+        if depth == 0:
+            self._local.start = time.perf_counter()
+        self._local.depth = depth + 1
+
+    def __exit__(self, *exc) -> None:
+        self._local.depth -= 1
+        if self._local.depth == 0:
+            self.seconds += time.perf_counter() - self._local.start
+
+
+_building = _BuildClock()
+
+
+def build_seconds() -> float:
+    """Host seconds spent so far building guide states (see `_BuildClock`); a difference of two readings is
+    the build time between them."""
+    return _building.seconds
 
 
 class VocabTrie:
@@ -135,15 +168,19 @@ class RegexGuide:
         matches. A dead state (a text that left the pattern, which the guide never writes) allows the ends only.
         Built once a state; a step's many nodes take theirs on the device from `masks` (one gather)."""
         if state not in self._masks:
-            live = self._moves(state) != DEAD if state != DEAD else np.zeros(self.trie.vocab, dtype=bool)
-            mask = torch.from_numpy(live)
-            if state == DEAD or self.dfa.accepts(state):
-                mask[list(self.ends)] = True
-            elif not live.any():  # the text must go on, but no token spells a way: say so, once a state
-                warnings.warn(f"guide {self.dfa.pattern[:60]!r}: no token of the vocabulary continues the text "
-                              f"at its state {state}; a row there ends without a match", stacklevel=2)
-            self._masks[state] = mask
+            with _building:
+                self._masks[state] = self._allowed(state)
         return self._masks[state]
+
+    def _allowed(self, state: int) -> torch.Tensor:
+        live = self._moves(state) != DEAD if state != DEAD else np.zeros(self.trie.vocab, dtype=bool)
+        mask = torch.from_numpy(live)
+        if state == DEAD or self.dfa.accepts(state):
+            mask[list(self.ends)] = True
+        elif not live.any():  # the text must go on, but no token spells a way: say so, once a state
+            warnings.warn(f"guide {self.dfa.pattern[:60]!r}: no token of the vocabulary continues the text "
+                          f"at its state {state}; a row there ends without a match", stacklevel=3)
+        return mask
 
     def masks(self, states: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
         """`allowed` of each state at once: bool [M, V] on `device`, one gather from a table of the states' masks
@@ -159,16 +196,21 @@ class RegexGuide:
         quotes, say), longest vocabulary entry first, each one the guide allows. Proposals for the lookup chain:
         greedy or sampled, a row writes what its masked logits pick, so a different spelling only costs them."""
         if state not in self._forced:
-            text, tokens, at = self._forced_text(state), [], state
-            while text and len(tokens) < MAX_FORCED:
-                token, length = self._longest_entry(text)
-                after = self.advance(at, token) if token is not None else DEAD
-                if after == DEAD:
-                    break
-                tokens.append(token)
-                text, at = text[length:], after
-            self._forced[state] = tuple(tokens)
+            with _building:
+                self._forced[state] = self._spell(state)
         return self._forced[state][:limit]
+
+    def _spell(self, state: int) -> tuple[int, ...]:
+        """`forced_tokens` of `state`, all of them."""
+        text, tokens, at = self._forced_text(state), [], state
+        while text and len(tokens) < MAX_FORCED:
+            token, length = self._longest_entry(text)
+            after = self.advance(at, token) if token is not None else DEAD
+            if after == DEAD:
+                break
+            tokens.append(token)
+            text, at = text[length:], after
+        return tuple(tokens)
 
     def _forced_text(self, state: int) -> str:
         """The characters every match goes on with from `state`: while exactly one character keeps it alive and
@@ -206,7 +248,8 @@ class RegexGuide:
                 oldest = next(iter(self._next))
                 del self._next[oldest]
                 self._masks.pop(oldest, None)
-            self._next[state] = self._walk.run(state, self.trie.vocab)
+            with _building:
+                self._next[state] = self._walk.run(state, self.trie.vocab)
         return self._next[state]
 
 
@@ -292,7 +335,8 @@ class _MaskTable:
             if len(self.rows) + len(new) > MAX_STATES:
                 self.rows.clear()
                 new = list(dict.fromkeys(states))
-            self._add(guide, new)
+            with _building:
+                self._add(guide, new)
         at = to_device([self.rows[state] for state in states], torch.long, self.table.device)
         return self.table[at]
 

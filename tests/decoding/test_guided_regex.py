@@ -449,3 +449,36 @@ def test_masks_gathered_from_the_table_equal_each_states_own(monkeypatch):
     at = [states[1], other.dfa.walk(other.start, "01"), states[0], other.start, other.dfa.walk(other.start, "1")]
     want = torch.stack([g.allowed(state) for g, state in zip(mixed, at)])
     assert torch.equal(_guide_masks(mixed, at, torch.device("cpu")), want)
+
+
+def test_guide_states_built_in_a_step_are_no_cost_the_tree_policy_is_told(tiny, monkeypatch, overlap):
+    """A guide state is built once (its moves, mask, forced text) and kept: the policy times steps by a clock that
+    leaves those builds out, as it leaves out graph captures. A guided tree walks every node's state, so its trial
+    steps, among the first of a level, met many new ones; charged them, trees stayed off (session 44). Here each
+    state costs 60 ms more to build: told by the wall clock, the policy sees those steps; by its own, none."""
+    import time
+    import medusa.decoding.engine as engine_module
+    from medusa.decoding import token_guide
+    from medusa.decoding.engine import EngineConfig, LLMEngine
+    from test_engine_overlap import measured_everywhere
+
+    model, heads = tiny
+    spelled_by_tokens(monkeypatch)  # a fresh guide a request: its states are built in its steps
+    walk = token_guide._ClassWalk.run
+    monkeypatch.setattr(token_guide._ClassWalk, "run", lambda self, *a: time.sleep(0.06) or walk(self, *a))
+    params = SamplingParams(max_tokens=8, guided_regex=r"(ab|ba){1,3}[01]{1,2}", stop_token_ids=(END,))
+
+    def slowest_charge():
+        engine = LLMEngine(model, heads, EngineConfig(num_blocks=128, block_size=4))
+        measured_everywhere(engine)
+        seconds, observe = [], engine.policy.observe_step
+        engine.policy.observe_step = lambda *a, **kw: seconds.append(a[2]) or observe(*a, **kw)
+        built = token_guide.build_seconds()
+        engine.generate(random_prompts(4, VOCAB, 12, seed=3), params)
+        assert token_guide.build_seconds() - built >= 0.06 * 8 and len(seconds) >= 4
+        return max(seconds)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(engine_module, "cost_clock", time.perf_counter)
+        by_wall = slowest_charge()
+    assert by_wall >= 0.06 > slowest_charge()
