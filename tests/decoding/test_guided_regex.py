@@ -482,3 +482,26 @@ def test_guide_states_built_in_a_step_are_no_cost_the_tree_policy_is_told(tiny, 
         patched.setattr(engine_module, "cost_clock", time.perf_counter)
         by_wall = slowest_charge()
     assert by_wall >= 0.06 > slowest_charge()
+
+
+@pytest.mark.parametrize("pattern", [r'"[ab01 ]{0,40}"x?', r"(ab|ba)+[01]{1,3}", r"[^x]*x", r"a{3}b{2,5}(0|1)*"])
+def test_every_text_walked_at_once_reaches_what_its_own_walk_through_the_dfa_does(pattern):
+    """`_ClassWalk.run` walks all texts together, longest first, the dead ones on in DEAD's row; each reached
+    state equals the text's own character walk. Texts of 1-12 characters (past the early exit every 4th one),
+    empty and None texts, every state a counted string reaches."""
+    from medusa.decoding.token_guide import _ClassWalk
+
+    rng = random.Random(pattern)
+    texts = ["".join(rng.choice('ab01" x') for _ in range(rng.randint(1, 12))) for _ in range(600)] + ["", None]
+    dfa, trie = compile_regex(pattern), VocabTrie(texts)
+    walk, states, seen = _ClassWalk(dfa, trie), [dfa.start], {dfa.start}
+    while states and len(seen) < 80:  # the states the alphabet reaches, breadth first
+        state = states.pop(0)
+        for char in 'ab01" x':
+            after = dfa.step(state, char)
+            if after != DEAD and after not in seen:
+                seen.add(after)
+                states.append(after)
+    for state in sorted(seen):
+        want = [dfa.walk(state, text) if text else DEAD for text in texts]
+        assert walk.run(state, len(texts)).tolist() == want, state
