@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import numbers
 import random
 import time
 from collections import Counter
@@ -993,10 +994,14 @@ class LLMEngine:
 
 
 def _one_prompt(prompts: Any) -> bool:
-    """Whether generate's prompts are one prompt: a string, or a flat sequence of token ids."""
+    """Whether generate's prompts are one prompt: a string, a flat sequence of token ids (Python or NumPy
+    integers), or a tensor / array that is not 2-D (a 2-D one is a batch, a row a prompt)."""
     if isinstance(prompts, str):
         return True
-    return isinstance(prompts, Seq) and bool(prompts) and all(isinstance(t, int) for t in prompts)
+    if hasattr(prompts, "ndim") and hasattr(prompts, "tolist"):
+        return prompts.ndim != 2
+    return isinstance(prompts, Seq) and bool(prompts) and all(
+        isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_)) for t in prompts)
 
 
 def _fill_bucket(prefills: list[ScheduledSeq], buckets: list[int], limit: int) -> list[ScheduledSeq]:
@@ -1026,20 +1031,20 @@ def _with_lookup(trees: list[TreeSpec], length: int) -> list[TreeSpec]:
 
 
 def stream(engine: LLMEngine, prompt: str | Seq[int], params: SamplingParams = SamplingParams()):
-    """Drive `engine` until one new request finishes, yielding its outputs as they come.
+    """Drive `engine` until one new request finishes, yielding its outputs as they come: with n > 1, those of
+    every completion (tell them apart by `out.index`) until all n have finished.
 
     If the caller stops iterating early, the request is aborted so its KV blocks are freed.
     """
     rid = engine.add_request(prompt, params)
-    finished = False
+    unfinished = set(range(params.n))
     try:
-        while not finished:
+        while unfinished:
             for out in engine.step():
-                if out.request_id == rid and out.index == 0:
-                    finished = out.finished
+                if out.request_id == rid:
+                    if out.finished:
+                        unfinished.discard(out.index)
                     yield out
-                    if finished:
-                        return
     finally:
-        if not finished:
+        if unfinished:
             engine.abort(rid)

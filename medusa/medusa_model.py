@@ -80,7 +80,9 @@ class GenerationStream:
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
-        self.result = yield from self._chunks
+        result = yield from self._chunks
+        if result is not None:  # iterated again once exhausted: nothing more comes, the result stays
+            self.result = result
 
 
 # Prompt-lookup nodes in speculative trees on a GPU unless the caller says otherwise: on the H200, 4 took
@@ -196,7 +198,9 @@ class MedusaModel:
                  speculative: bool = True, tree: TreeSpec | str | None = None, acceptance: str = "auto",
                  posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, min_p: float = 0.0,
                  guided_regex: str | None = None, guided_json: dict | str | None = None,
-                 guided_choice: Sequence[str] | None = None, guided_grammar: str | None = None):
+                 guided_choice: Sequence[str] | None = None, guided_grammar: str | None = None,
+                 do_sample: bool | None = None, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, stop_token_ids: Sequence[int] | None = None, min_tokens: int = 0):
         """Generate from a prompt string, chat messages, or token ids.
 
         Greedy (temperature 0) output is identical to plain greedy decoding;
@@ -206,33 +210,47 @@ class MedusaModel:
         GenerationStream of text deltas. guided_regex / guided_json (a JSON
         Schema) / guided_grammar (GBNF) / guided_choice hold the answer to a
         pattern, a schema, a grammar or one of the strings (vLLM's; on the
-        engine, whatever the device).
+        engine, whatever the device). do_sample is Hugging Face's: False is
+        greedy whatever the temperature, True samples (at temperature 1 if none
+        is given). The penalties, stop_token_ids and min_tokens are vLLM's
+        (SamplingParams'); like guided decoding they run on the engine.
         """
+        for name, value in (("stream", stream), ("speculative", speculative)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+        if tree is not None and not isinstance(tree, (str, TreeSpec)):
+            raise ValueError(f"tree must be a tree's name (say 'tree-16'), 'auto' or a TreeSpec, got {tree!r}")
+        if do_sample is not None and not isinstance(do_sample, (bool, np.bool_)):
+            raise ValueError(f"do_sample must be a bool or None, got {do_sample!r}")
+        if do_sample is not None:  # Hugging Face's switch: off is greedy; on with no temperature samples at 1
+            temperature = (temperature or 1.0) if do_sample else 0.0
         # every path's settings checked here, by generate's names (the batch-1 decoder runs on them too)
         checked = generate_params(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   seed=seed, stop=stop, min_p=min_p, guided_regex=guided_regex,
-                                  guided_json=guided_json, guided_choice=guided_choice, guided_grammar=guided_grammar)
-        stops = list(checked.stop)
-        guided = guided_regex is not None or guided_json is not None or guided_grammar is not None \
-            or bool(guided_choice)
+                                  guided_json=guided_json, guided_choice=guided_choice, guided_grammar=guided_grammar,
+                                  repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                  frequency_penalty=frequency_penalty, stop_token_ids=stop_token_ids,
+                                  min_tokens=min_tokens)
         if _is_prompt_list(inputs):
             if stream or tree is not None or acceptance != "auto":
                 raise ValueError("a list of prompts runs on the batching engine, which streams per request, picks "
                                  "its own tree per step and uses the lossless rule: pass one prompt for "
                                  "stream=, tree= or acceptance=")
             return self._generate_batch(list(inputs), checked, speculative)
-        if guided and (tree is not None or acceptance != "auto"):
-            raise ValueError("guided decoding runs on the batching engine, which picks its own tree per step and "
+        engine_only = _engine_only_settings(checked)
+        if engine_only and (tree is not None or acceptance != "auto"):
+            raise ValueError(f"{engine_only} runs on the batching engine, which picks its own tree per step and "
                              "uses the lossless rule: leave tree= and acceptance= out")
         prompt_ids = self.encode(inputs)
-        if guided or self._on_engine(tree, acceptance):
+        if engine_only or self._on_engine(tree, acceptance):
             chunks = self._run_engine(prompt_ids, checked, speculative)
             return _finish(chunks, stream)
-        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
+        sampling = SamplingConfig(temperature=checked.temperature, top_p=checked.top_p, top_k=checked.top_k,
+                                  seed=checked.seed, min_p=checked.min_p)
         accept = AcceptanceConfig(rule=acceptance, posterior_threshold=posterior_threshold,
                                   posterior_alpha=posterior_alpha)
         decoder = self.decoder(tree if speculative else "single")
-        return _finish(self._run(decoder, prompt_ids, max_new_tokens, sampling, accept, stops), stream)
+        return _finish(self._run(decoder, prompt_ids, max_new_tokens, sampling, accept, list(checked.stop)), stream)
 
     def _on_engine(self, tree: TreeSpec | str | None, acceptance: str) -> bool:
         """On a GPU, one prompt runs alone on the engine (CUDA graphs, trees chosen from measured
@@ -301,10 +319,12 @@ class MedusaModel:
                                  tokens_per_second=len(o.token_ids) / max(seconds, 1e-9))
                 for o, p in zip(outputs, ids)]
 
-    def chat(self, message: str | Sequence[dict], **kwargs):
-        """generate() on a chat conversation; a string is one user message."""
-        messages = [{"role": "user", "content": message}] if isinstance(message, str) else message
-        return self.generate(messages, **kwargs)
+    def chat(self, messages: str | Sequence[dict] | Sequence[str] | Sequence[Sequence[dict]], **kwargs):
+        """generate() on chat: a string is one user message, a list of message dicts one conversation; a list of
+        strings or of conversations is a batch of them (a result each), as vLLM's `LLM.chat` takes it."""
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, str) for m in messages):
+            return self.generate([_user_turn(m) for m in messages], **kwargs)
+        return self.generate(_user_turn(messages) if isinstance(messages, str) else messages, **kwargs)
 
     def encode(self, inputs: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:
         """Token ids of a prompt: text with the tokenizer's own special tokens (a BOS where the model's tokenizer
@@ -419,6 +439,19 @@ def generate_params(max_new_tokens: int = 256, stop: str | Sequence[str] | None 
         return SamplingParams(max_tokens=max_new_tokens, stop=stop, guided_choice=choices, **settings)  # a str: refused
     except (TypeError, ValueError) as err:
         raise type(err)(str(err).replace("max_tokens", "max_new_tokens")) from None
+
+
+def _user_turn(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _engine_only_settings(params: SamplingParams) -> str:
+    """The settings only the engine applies, named as generate's arguments ("" if none is set): the batch-1
+    decoder (a CPU's single prompt, or a pinned tree) knows none of them."""
+    named = [("guided decoding", bool(params.guides)), ("repetition_penalty", params.repetition_penalty != 1),
+             ("presence_penalty", params.presence_penalty != 0), ("frequency_penalty", params.frequency_penalty != 0),
+             ("stop_token_ids", bool(params.stop_token_ids)), ("min_tokens", params.min_tokens > 0)]
+    return ", ".join(name for name, on in named if on)
 
 
 def _is_token(value: Any) -> bool:

@@ -254,3 +254,56 @@ def test_medusa2_heads_merge_their_adapter_and_say_so(model, tmp_path):
     moved = adapted.base.get_submodule(name).weight - weight
     assert torch.allclose(moved, torch.full_like(weight, 2 * 2e-3), atol=1e-5)
     assert "Medusa-2 LoRA adapter" in adapter_note(adapted.merged_adapter) and adapter_note(None) == ""
+
+
+def test_chat_takes_a_batch_of_user_messages_or_of_conversations(model):
+    """chat() with a list of strings: each one user message, chat-templated (it ran each as raw text), as vLLM's
+    LLM.chat takes a batch; a list of conversations is a batch too."""
+    questions = ["Hello", QUESTION]
+    batch = model.chat(questions, max_new_tokens=6)
+    assert [o.token_ids for o in batch] == [model.chat(q, max_new_tokens=6).token_ids for q in questions]
+    assert batch[0].prompt_tokens == len(model.encode([{"role": "user", "content": "Hello"}]))
+    conversations = [[{"role": "user", "content": q}] for q in questions]
+    assert [o.token_ids for o in model.chat(conversations, max_new_tokens=6)] == [o.token_ids for o in batch]
+
+
+def test_vllm_and_hugging_face_settings_reach_generate(model):
+    """top_k=-1 is off on every path (the batch-1 decoder refused it); do_sample is Hugging Face's switch;
+    penalties, stop_token_ids and min_tokens run on the engine, alone or in a batch, as SamplingParams' do."""
+    from medusa.decoding.sampling_params import SamplingParams
+
+    greedy = model.chat(QUESTION, max_new_tokens=8)
+    assert model.chat(QUESTION, max_new_tokens=8, top_k=-1).token_ids == greedy.token_ids  # greedy: top_k is moot
+    assert model.chat(QUESTION, max_new_tokens=8, do_sample=False, temperature=0.9).token_ids == greedy.token_ids
+    sampled = model.chat(QUESTION, max_new_tokens=8, do_sample=True, seed=3)  # temperature 1
+    assert sampled.token_ids == model.chat(QUESTION, max_new_tokens=8, temperature=1.0, seed=3).token_ids
+    assert model.chat(QUESTION, max_new_tokens=8, temperature=0.8, top_k=-1, seed=3).token_ids \
+        == model.chat(QUESTION, max_new_tokens=8, temperature=0.8, top_k=0, seed=3).token_ids
+    ids = model.encode([{"role": "user", "content": QUESTION}])
+    engine_out = model.engine().generate(ids, SamplingParams(max_tokens=12, repetition_penalty=1.3))[0]
+    assert model.generate(ids, max_new_tokens=12, repetition_penalty=1.3).token_ids == engine_out.token_ids
+    stop_at = greedy.token_ids[3]
+    cut = model.chat(QUESTION, max_new_tokens=8, stop_token_ids=[stop_at])
+    assert cut.token_ids == greedy.token_ids[:greedy.token_ids.index(stop_at)] and cut.finish_reason == "stop"
+    [short] = model.chat([QUESTION], max_new_tokens=8, stop_token_ids=[stop_at], min_tokens=6)
+    assert len(short.token_ids) >= 6
+    with pytest.raises(ValueError, match="repetition_penalty runs on the batching engine"):
+        model.chat(QUESTION, repetition_penalty=1.2, tree="tree-4")
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(stream="yes"), "stream must be a bool, got 'yes'"),
+    (dict(speculative="no"), "speculative must be a bool, got 'no'"),  # truthy: it speculated
+    (dict(tree=5), "tree must be a tree's name"),
+    (dict(do_sample="yes"), "do_sample must be a bool or None"),
+    (dict(repetition_penalty=0), "repetition_penalty must be a number > 0"),
+])
+def test_generate_checks_its_own_arguments(model, kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        model.generate("x", max_new_tokens=2, **kwargs)
+
+
+def test_a_stream_keeps_its_result_when_iterated_again(model):
+    stream = model.chat("Say yes.", max_new_tokens=6, stream=True)
+    text = "".join(stream)
+    assert list(stream) == [] and stream.result is not None and stream.result.text == text

@@ -92,6 +92,21 @@ def test_sync_stream_yields_until_finished(tiny):
     assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids
 
 
+def test_sync_stream_of_n_completions_yields_every_one_to_its_end(tiny):
+    """n > 1: every completion's outputs, each stream's tokens the completion's own, until all n finish; the
+    engine is then free for generate (a stream that returned at completion 0's end left the others running)."""
+    model, heads = tiny
+    engine = LLMEngine(model, heads, EngineConfig(num_blocks=64, block_size=4))
+    params = SamplingParams(max_tokens=12, n=3, temperature=1.0, seed=2)
+    outs = list(stream(engine, [1, 2, 3], params))
+    last = {o.index: o for o in outs}
+    assert sorted(last) == [0, 1, 2] and all(o.finished for o in last.values())
+    for index, out in last.items():
+        assert [t for o in outs if o.index == index for t in o.new_token_ids] == out.token_ids
+    assert not engine.has_unfinished() and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert [o.token_ids for o in engine.generate([1, 2, 3], params)] == [last[i].token_ids for i in range(3)]
+
+
 @pytest.mark.parametrize("overlapped", [False, True], ids=["medusa", "plain-overlapped"])
 def test_sync_stream_abandoned_early_aborts_its_request(tiny, overlapped):
     model, heads = tiny

@@ -112,6 +112,12 @@ def test_engine_takes_prompt_ids_as_a_list_tensor_or_array(engine):
 
     outs = engine.generate([[1, 2, 3], torch.tensor([1, 2, 3]), np.array([1, 2, 3])], SamplingParams(max_tokens=3))
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+    # one prompt alone as a tensor, an array or a list of NumPy integers; a 2-D tensor is a batch, a row a prompt
+    params = SamplingParams(max_tokens=3)
+    for one in (torch.tensor([1, 2, 3]), np.array([1, 2, 3]), [np.int64(1), np.int64(2), np.int32(3)]):
+        assert [o.token_ids for o in engine.generate(one, params)] == [outs[0].token_ids]
+    rows = engine.generate(torch.tensor([[1, 2, 3], [1, 2, 3]]), params)
+    assert [o.token_ids for o in rows] == [outs[0].token_ids] * 2
 
 
 def test_generate_checks_its_arguments_and_leaves_nothing_queued(engine):
