@@ -288,7 +288,8 @@ class _ClassWalk:
         The texts are sorted longest first, so the texts still walking at a position are the first
         `walkers[at]` rows and those ending there a slice after them: no row is ever selected by a mask. A text
         that left the pattern walks on in DEAD's row (it stays there), which costs less than taking it out:
-        inside a counted string most texts live to their end, and masks cost 7 ms a state there (2.6 now)."""
+        inside a counted string most texts live to their end: 3.0-3.4 ms a state there, against 5.8-7.3 with
+        masks (a 2-core CPU); a narrow state, where most leave at once, 1.0 ms against 0.8."""
         self._fit(state + 1)
         reached = np.full(vocab, DEAD, dtype=np.int32)
         rows = np.full(len(self.tokens), state + 1, dtype=np.int64)  # [state + 1] per text, longest first
