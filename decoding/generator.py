@@ -69,10 +69,23 @@ class TreeDecoder:
         self.gate = gate if tree.num_nodes > 1 else None  # kept across calls: it learns this device's costs
         self.stats = DecodeStats()
 
-    @torch.inference_mode()
     def decode(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
                acceptance: AcceptanceConfig = AcceptanceConfig()) -> Iterator[list[int]]:
-        """Yield each step's accepted tokens (EOS and length are the caller's business)."""
+        """Yield each step's accepted tokens (EOS and length are the caller's business).
+
+        Each step runs under inference mode, entered around it rather than around the generator: a generator
+        under a torch context manager re-enters it on close, and a stream left half-read closes at interpreter
+        exit, after torch is torn down ("Exception ignored ... 'NoneType' object has no attribute")."""
+        steps = self._steps(prompt_ids, max_new_tokens, sampling, acceptance)
+        while True:
+            with torch.inference_mode():
+                tokens = next(steps, None)
+            if tokens is None:
+                return
+            yield tokens
+
+    def _steps(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
+               acceptance: AcceptanceConfig) -> Iterator[list[int]]:
         self._check_length(len(prompt_ids), max_new_tokens)
         sampler = TokenSampler(sampling.seed)
         cache = ContiguousKVCache(self.model.config, len(prompt_ids) + max_new_tokens + self.tree.num_nodes,
