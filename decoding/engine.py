@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import numbers
 import random
 import time
 from collections import Counter
@@ -51,8 +50,8 @@ from medusa.decoding.decode_step import RowSampling
 from medusa.decoding.device_changes import MAX_BANNED, RowChanges
 from medusa.decoding.device_tree import DeviceTree
 from medusa.decoding.engine_config import EngineConfig
-from medusa.decoding.engine_request import (EngineRequest, cannot_stop, checked_params, make_detokenizer,
-                                            prompt_token_ids, token_rules, until_stop_string)
+from medusa.decoding.engine_request import (EngineRequest, cannot_stop, checked_params, is_token_id,
+                                            make_detokenizer, prompt_token_ids, token_rules, until_stop_string)
 from medusa.decoding.host_buffers import PendingCopy, copy_to_host, to_device
 from medusa.decoding.logits_processing import batch_changes, penalize, suppress_eos, token_logprobs
 from medusa.decoding.model_runner import ModelRunner
@@ -1000,8 +999,7 @@ def _one_prompt(prompts: Any) -> bool:
         return True
     if hasattr(prompts, "ndim") and hasattr(prompts, "tolist"):
         return prompts.ndim != 2
-    return isinstance(prompts, Seq) and bool(prompts) and all(
-        isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_)) for t in prompts)
+    return isinstance(prompts, Seq) and bool(prompts) and all(is_token_id(t) for t in prompts)
 
 
 def _fill_bucket(prefills: list[ScheduledSeq], buckets: list[int], limit: int) -> list[ScheduledSeq]:

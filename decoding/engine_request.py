@@ -153,11 +153,16 @@ def prompt_token_ids(prompt: Any, tokenizer: Any, vocab: int) -> list[int]:
     return ids
 
 
+def is_token_id(value: Any) -> bool:
+    """A token id's type: a Python or NumPy integer, not a bool (True is no token)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def check_token_ids(ids: list, vocab: int) -> None:
     """Prompt token ids must be integers in [0, vocab): a bad id would index past the embedding on the device."""
     array = np.asarray(ids)
     if array.ndim != 1 or array.dtype.kind not in "iu":
-        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), ids)
+        bad = next((t for t in ids if not is_token_id(t)), ids)
         raise ValueError(f"prompt token ids must be integers, got {bad!r}")
     if array.min() < 0 or array.max() >= vocab:
         bad = int(array[(array < 0) | (array >= vocab)][0])

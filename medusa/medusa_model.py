@@ -6,7 +6,6 @@ input (text, chat messages or token ids) into ids, and drives the decoder.
 
 from __future__ import annotations
 
-import numbers
 import time
 import warnings
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from medusa.adapter import heads_for_base
 from medusa.chat import chat_prompt_ids
 from medusa.decoding.detokenizer import IncrementalDetokenizer
 from medusa.decoding.engine import EngineConfig, LLMEngine, stream
+from medusa.decoding.engine_request import is_token_id
 from medusa.decoding.generator import TreeDecoder
 from medusa.decoding.sampler import SamplingConfig
 from medusa.decoding.sampling_params import SamplingParams
@@ -220,9 +220,9 @@ class MedusaModel:
                 raise ValueError(f"{name} must be a bool, got {value!r}")
         if tree is not None and not isinstance(tree, (str, TreeSpec)):
             raise ValueError(f"tree must be a tree's name (say 'tree-16'), 'auto' or a TreeSpec, got {tree!r}")
-        if do_sample is not None and not isinstance(do_sample, (bool, np.bool_)):
-            raise ValueError(f"do_sample must be a bool or None, got {do_sample!r}")
         if do_sample is not None:  # Hugging Face's switch: off is greedy; on with no temperature samples at 1
+            if not isinstance(do_sample, (bool, np.bool_)):
+                raise ValueError(f"do_sample must be a bool or None, got {do_sample!r}")
             temperature = (temperature or 1.0) if do_sample else 0.0
         # every path's settings checked here, by generate's names (the batch-1 decoder runs on them too)
         checked = generate_params(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -338,7 +338,7 @@ class MedusaModel:
             inputs = inputs.reshape(-1).tolist()
         if isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], dict):
             return chat_prompt_ids(self.tokenizer, inputs, self.system_prompt)
-        if isinstance(inputs, (list, tuple)) and all(_is_token(t) for t in inputs):
+        if isinstance(inputs, (list, tuple)) and all(is_token_id(t) for t in inputs):
             inputs = [int(t) for t in inputs]  # NumPy's integers too
             vocab = self.base.config.vocab_size
             bad = [t for t in inputs if not 0 <= t < vocab]
@@ -454,16 +454,11 @@ def _engine_only_settings(params: SamplingParams) -> str:
     return ", ".join(name for name, on in named if on)
 
 
-def _is_token(value: Any) -> bool:
-    """A token id: a Python or NumPy integer, not a bool (True is no token)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
 def _is_prompt_list(inputs: Any) -> bool:
     """Several prompts (each a string, a conversation or token ids), not one conversation or one id list."""
     def listed(p: Any, kind: type | None) -> bool:  # kind None: token ids
         return isinstance(p, (list, tuple)) and bool(p) and all(
-            _is_token(x) if kind is None else isinstance(x, kind) for x in p)
+            is_token_id(x) if kind is None else isinstance(x, kind) for x in p)
 
     return listed(inputs, object) and all(isinstance(p, str) or listed(p, dict) or listed(p, None) for p in inputs)
 
