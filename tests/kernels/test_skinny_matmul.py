@@ -21,10 +21,12 @@ def close(a, b, dtype):
 
 
 # (rows, K, N): K not a power of two (576, 100), N not a multiple of a program's rows; one row (CUDA cores),
-# 2 to 16 rows (tensor cores: a full 16-row tile, partial ones)
+# 2 to 16 rows (tensor cores: a full 16-row tile, partial ones); past 16 the tiled kernel: one partial 32-row tile
+# (17, 30), 64-row tiles (64, 130: three, the last partial), K a multiple of its 64-wide steps or not
 @pytest.mark.parametrize("seed,rows,k,n,bias", [(0, 1, 576, 96, False), (1, 3, 100, 37, True), (2, 16, 64, 300, False),
                                                  (3, 2, 1536, 40, True), (4, 16, 576, 50, False), (5, 9, 1536, 16, True),
-                                                 (6, 1, 3000, 20, True)])
+                                                 (6, 1, 3000, 20, True), (7, 17, 100, 37, True), (8, 30, 576, 70, False),
+                                                 (9, 64, 64, 65, True), (10, 130, 1536, 20, False)])
 def test_matches_linear(seed, rows, k, n, bias):
     g = torch.Generator().manual_seed(seed)
     x, w = rand(g, rows, k), rand(g, n, k)
@@ -81,18 +83,6 @@ def test_split_k_products_match_linear(seed, rows, k, n, bias):
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     assert torch.allclose(got.parts.sum(0).view(1, rows, n), want, atol=1e-3, rtol=1e-3)  # float32 sums
     assert close(got.total(), want, torch.float16) and got.total().dtype == torch.float16
-
-
-# (rows, K, N): past one 16-row tile, the tiled kernel: one partial 32-row tile (17, 30), 64-row tiles (64, 130:
-# three, the last partial); K a multiple of its 64-wide steps or not (100, 576); N not a multiple of its tile
-@pytest.mark.parametrize("seed,rows,k,n,bias", [(0, 17, 100, 37, True), (1, 30, 576, 70, False),
-                                                 (2, 64, 64, 65, True), (3, 130, 1536, 20, False)])
-def test_products_of_more_rows_than_a_tile_match_linear(seed, rows, k, n, bias):
-    g = torch.Generator().manual_seed(seed)
-    x, w = rand(g, rows, k), rand(g, n, k)
-    b = rand(g, n) if bias else None
-    got = skinny_matmul_triton(x, w, b)
-    assert got.shape == (rows, n) and close(got, skinny_matmul_reference(x, w, b), torch.float32)
 
 
 @pytest.mark.parametrize("seed,rows,k,n,bias", [(0, 17, 576, 40, True), (1, 100, 1536, 33, False)])
