@@ -39,7 +39,7 @@ from medusa.decoding.server.jobs import Job, chat_job, completion_job, context_l
 from medusa.decoding.server.metrics import CONTENT_TYPE, ServerMetrics
 from medusa.decoding.server.responses import Formatter, engine_outputs, full_response, shutting_down, stream_events
 from medusa.decoding.server.tokenization import detokenize, tokenize, tokenize_request_type
-from medusa.decoding.server.tools import TOOL_PARSERS
+from medusa.decoding.server.tool_parsers import TOOL_PARSERS
 
 log = logging.getLogger("medusa.server")
 

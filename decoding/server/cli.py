@@ -19,7 +19,7 @@ from medusa.paths import TEMPLATES_DIR
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from medusa.decoding.kv_budget import CPU_BLOCKS
-    from medusa.decoding.server.tools import TOOL_PARSERS
+    from medusa.decoding.server.tool_parsers import TOOL_PARSERS
 
     p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--heads", default=None, help="heads folder/file; 'none' for plain decoding only")
@@ -60,13 +60,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    try:
+        import uvicorn
 
+        from medusa.decoding.server.app import build_app
+    except ImportError as err:  # before the model loads
+        print(f"medusa serve: error: the server needs the 'serve' extra ({err.name} is missing): "
+              "pip install -e '.[serve]' in a checkout, or pip install 'medusa-decoding[serve]'", file=sys.stderr)
+        return 2
     from medusa.decoding.engine import EngineConfig
     from medusa.decoding.kv_budget import auto_num_blocks
     from medusa.decoding.scheduler import SchedulerConfig
     from medusa.chat import chat_prompt_ids
-    from medusa.decoding.server.app import build_app
     from medusa.decoding.token_guide import VocabTrie
     from medusa.default_model import DEFAULT_MODEL_NAME
     from medusa.medusa_model import MedusaModel

@@ -29,6 +29,8 @@ import json
 import uuid
 from typing import Any
 
+TOOL_PARSERS = ("hermes", "llama3_json")  # --tool-call-parser choices (here, where `medusa generate` may import them)
+
 Delta = tuple[str, list[dict[str, Any]]]  # (content text, tool-call deltas)
 
 
@@ -267,7 +269,7 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 def make_parser(mode: str, function: str | None = None) -> ToolCallParser:
     """The parser of a tool plan's mode: "named" (with the function's name), "required", or a parser's name
-    (tools.TOOL_PARSERS)."""
+    (TOOL_PARSERS)."""
     if mode == "named":
         return NamedCall(function or "")
     if mode == "required":

@@ -25,7 +25,6 @@ from medusa.decoding.json_schema import schema_dfa
 from medusa.decoding.server.errors import bad_request
 from medusa.decoding.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 
-TOOL_PARSERS = ("hermes", "llama3_json")  # --tool-call-parser choices
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule
 
 

@@ -68,3 +68,27 @@ def test_help_texts_give_the_library_default_prompt_lookup(capsys):
             main([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
         assert f"{DEFAULT_PROMPT_LOOKUP} on a GPU, {CPU_PROMPT_LOOKUP} on a CPU" in text, command
+
+
+def test_medusa_generate_runs_without_the_serve_extra():
+    """README command 1 installs no extras: `medusa` must build its commands (serve's arguments included) without
+    fastapi, uvicorn or pydantic, and `medusa serve` must then say which extra it needs (a subprocess where
+    importing them fails, as in a fresh venv)."""
+    import subprocess
+    import sys
+
+    blocked = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette", "sse_starlette")
+    code = ("import sys\n"
+            f"for name in {blocked!r}: sys.modules[name] = None\n"
+            "from medusa.cli import main\n"
+            "sys.argv = ['medusa'] + sys.argv[1:]\n"
+            "sys.exit(main())\n")
+
+    def medusa(*args):
+        return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+
+    assert medusa("--version").returncode == 0
+    helped = medusa("generate", "--help")
+    assert helped.returncode == 0 and "--compare" in helped.stdout, helped.stderr
+    served = medusa("serve", "--port", "8123")
+    assert served.returncode == 2 and "needs the 'serve' extra" in served.stderr and "[serve]" in served.stderr
