@@ -143,11 +143,7 @@ class LLMEngine:
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         trees = [t if isinstance(t, TreeSpec) else TreeSpec.load(t) for t in config.trees] if heads is not None \
             else [TreeSpec.load("single")]
-        usable = [t for t in trees if heads is None or t.head_depth <= heads.config.num_heads]
-        if not usable:
-            raise ValueError(f"no tree in config.trees fits the heads: each needs more than their "
-                             f"{heads.config.num_heads} heads ({', '.join(f'{t.label}: {t.head_depth}' for t in trees)})")
-        trees = usable
+        trees = _fitting_trees(trees, heads, config.trees == EngineConfig.trees)
         trees = _with_lookup(trees, config.prompt_lookup)
         self.scheduler = Scheduler(config.scheduler, self.blocks, trees)
         self._device_trees: dict[TreeSpec, DeviceTree] = {}
@@ -990,6 +986,24 @@ class LLMEngine:
         if spec not in self._device_trees:
             self._device_trees[spec] = DeviceTree.from_spec(spec, self.device)
         return self._device_trees[spec]
+
+
+def _fitting_trees(trees: list[TreeSpec], heads: MedusaHeads | None, defaults: bool) -> list[TreeSpec]:
+    """The trees the heads can fill: the default trees deeper than the heads are dropped; a tree the user gave
+    that needs more heads, or ranks past their vocabulary, is refused by name."""
+    if heads is None:
+        return trees
+    num_heads, vocab = heads.config.num_heads, heads.config.vocab_size
+    usable = [t for t in trees if t.head_depth <= num_heads]
+    if not usable:
+        raise ValueError(f"no tree in config.trees fits the heads: each needs more than their "
+                         f"{num_heads} heads ({', '.join(f'{t.label}: {t.head_depth}' for t in trees)})")
+    for tree in trees if not defaults else usable:
+        try:
+            tree.check_heads(num_heads, vocab)
+        except ValueError as err:
+            raise ValueError(f"config.trees: tree {tree.label}: {err}") from None
+    return usable
 
 
 def _one_prompt(prompts: Any) -> bool:

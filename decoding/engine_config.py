@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from medusa.decoding.scheduler import SchedulerConfig
 from medusa.tree import MAX_NODES, TreeSpec
@@ -17,7 +18,9 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    trees: tuple[str | TreeSpec, ...] = ("single", "tree-4", "tree-8", "tree-16", "tree-32", "tree-64")
+    # names, JSON files' paths or TreeSpecs; user-given trees that need more heads than the engine's are refused,
+    # the default ones are dropped
+    trees: tuple[str | Path | TreeSpec, ...] = ("single", "tree-4", "tree-8", "tree-16", "tree-32", "tree-64")
     cuda_graphs: bool = True  # capture the decode step per batch bucket and tree (CUDA only)
     max_graph_tokens: int = 1024  # warmup times trees only while bucket x tree size stays under this
     max_model_len: int | None = None  # prompt + output tokens per request; None: min(model context, KV pool)
@@ -45,8 +48,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {self.num_blocks}, {self.block_size}")
+        if isinstance(self.trees, (str, Path, TreeSpec)):
+            raise ValueError(f"trees must be a tuple of trees, got one: {self.trees!r} (write trees=({self.trees!r},))")
         if not self.trees:
             raise ValueError("trees is empty: give at least one tree name or TreeSpec ('single' is plain decoding)")
+        for tree in self.trees:
+            if not isinstance(tree, (str, Path, TreeSpec)):
+                raise ValueError(f"trees holds {tree!r}: each tree is a name (say 'tree-16'), a JSON file's path "
+                                 "or a TreeSpec")
         if not isinstance(self.max_graph_tokens, int) or self.max_graph_tokens < 1:
             raise ValueError(f"max_graph_tokens must be an integer >= 1, got {self.max_graph_tokens!r}")
         if not isinstance(self.mixed_prompt_tokens, int) or self.mixed_prompt_tokens < 0:

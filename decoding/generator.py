@@ -61,7 +61,7 @@ class TreeDecoder:
             if heads is None and proposer is propose_from_heads:
                 raise ValueError("a tree with more than one node needs Medusa heads (or a custom proposer)")
             if heads is not None:
-                tree.check_heads(heads.config.num_heads)
+                tree.check_heads(heads.config.num_heads, heads.config.vocab_size)
         self.model, self.heads, self.proposer = model, heads, proposer
         self.device = model.embed_tokens.weight.device
         self.tree = DeviceTree.from_spec(tree, self.device)

@@ -121,9 +121,15 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return resolved
 
 
-def _named_tree(tree: TreeSpec | str | None) -> TreeSpec | str | None:
-    """A tree name -> its TreeSpec (an unknown name raises, listing the known ones); "auto", None and specs as given."""
-    return TreeSpec.load(tree) if isinstance(tree, str) and tree != "auto" else tree
+def _named_tree(tree: TreeSpec | str | Path | None) -> TreeSpec | str | None:
+    """A tree name or JSON file's path -> its TreeSpec (an unknown name raises, listing the known ones); "auto",
+    None and specs as given; anything else is refused."""
+    if tree is None or isinstance(tree, TreeSpec) or (isinstance(tree, str) and tree == "auto"):
+        return tree
+    if isinstance(tree, (str, Path)):
+        return TreeSpec.load(tree)
+    raise ValueError(f"tree must be a tree's name (say 'tree-16'), a JSON file's path, 'auto' or a TreeSpec, "
+                     f"got {tree!r}")
 
 
 class MedusaModel:
@@ -139,6 +145,8 @@ class MedusaModel:
         self.prompt_lookup = prompt_lookup  # the engine's EngineConfig.prompt_lookup
         self.eos_token_ids = _eos_ids(base, tokenizer)
         self._tree_choice = _named_tree(tree)  # an unknown name fails here, not at the first generate()
+        if heads is not None and isinstance(self._tree_choice, TreeSpec):  # so does one the heads cannot fill
+            self._tree_choice.check_heads(heads.config.num_heads, heads.config.vocab_size)
         self._auto_choice: TreeSpec | None = None  # the tree choose_tree measured, once it has
         self._decoders: dict[tuple[TreeSpec, bool], TreeDecoder] = {}
         self._engines: dict[bool, LLMEngine] = {}
@@ -218,8 +226,7 @@ class MedusaModel:
         for name, value in (("stream", stream), ("speculative", speculative)):
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"{name} must be a bool, got {value!r}")
-        if tree is not None and not isinstance(tree, (str, TreeSpec)):
-            raise ValueError(f"tree must be a tree's name (say 'tree-16'), 'auto' or a TreeSpec, got {tree!r}")
+        tree = _named_tree(tree)
         if do_sample is not None:  # Hugging Face's switch: off is greedy; on with no temperature samples at 1
             if not isinstance(do_sample, (bool, np.bool_)):
                 raise ValueError(f"do_sample must be a bool or None, got {do_sample!r}")

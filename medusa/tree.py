@@ -33,6 +33,7 @@ from medusa.paths import tree_dirs
 
 TreePath = tuple[int, ...]
 MAX_NODES = 64  # the engine's kernels pack a node's ancestors into one int64
+MAX_RANK = 2**31 - 1  # a rank past any vocabulary (heads check theirs: `check_heads`); int32 on the device
 LOOKUP_SUFFIX = "+lookup"  # with_lookup names a variant "<name>+lookup<L>"
 
 
@@ -52,6 +53,8 @@ def _check_path(path: Any) -> TreePath:
             raise ValueError(f"path {tuple(path)!r} has a non-integer rank {rank!r}")
         if rank < 0:
             raise ValueError(f"path {tuple(path)!r} has a negative rank {rank}")
+        if rank > MAX_RANK:
+            raise ValueError(f"path {tuple(path)!r} has a rank {rank} past any vocabulary (at most {MAX_RANK})")
     return tuple(int(r) for r in path)
 
 
@@ -104,6 +107,8 @@ class TreeSpec:
             raise ValueError(f"lookup (the prompt-lookup chain's length) must be an integer >= 0, "
                              f"got {self.lookup!r}")
         object.__setattr__(self, "lookup", int(self.lookup))
+        if not isinstance(self.description, str):
+            raise ValueError(f"tree description must be a string, got {self.description!r}")
 
     # ---- construction -------------------------------------------------------------
 
@@ -137,15 +142,18 @@ class TreeSpec:
         name = f"{base}{LOOKUP_SUFFIX}{length}" if base and length else base
         return TreeSpec(self.paths[:keep], name=name, description=self.description, lookup=int(length))
 
-    def check_heads(self, num_heads: int) -> None:
+    def check_heads(self, num_heads: int, vocab_size: int | None = None) -> None:
         """Raise if some path is deeper than the positions the heads predict (the lookup
-        chain needs no head and may be deeper)."""
+        chain needs no head and may be deeper), or, given the heads' vocabulary, ranks past it."""
         for p in self.paths:
             if len(p) > num_heads:
                 raise ValueError(
                     f"path {p!r} has depth {len(p)} but the heads predict only "
                     f"{num_heads} positions"
                 )
+            if vocab_size is not None and max(p) >= vocab_size:
+                raise ValueError(f"path {p!r} uses rank {max(p)}, but the heads rank a vocabulary of "
+                                 f"{vocab_size} tokens (ranks 0 to {vocab_size - 1})")
 
     def __hash__(self) -> int:
         # The dataclass hash would hash every path on every call; the engine's tree policy
@@ -354,14 +362,24 @@ class TreeSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TreeSpec":
+        if not isinstance(d, dict):
+            raise ValueError(f"a tree spec is a JSON object with 'paths' (and optionally name, description, "
+                             f"lookup), got a {type(d).__name__}")
         unknown = set(d) - {"name", "description", "paths", "lookup"}
         if unknown:
             raise ValueError(f"unknown tree spec keys {sorted(unknown)}; "
                              f"expected name, description, paths, lookup")
         if "paths" not in d:
             raise ValueError("tree spec has no 'paths'")
-        return cls(tuple(d["paths"]), name=d.get("name"), description=d.get("description", ""),
+        if not isinstance(d["paths"], (list, tuple)):
+            raise ValueError(f"tree spec 'paths' must be a list of paths (lists of top-k ranks), got {d['paths']!r}")
+        spec = cls(tuple(d["paths"]), name=d.get("name"), description=d.get("description", ""),
                    lookup=d.get("lookup", 0))
+        if spec.num_nodes > MAX_NODES:  # a spec in code may be larger (the tree math has no limit); a file may not
+            raise ValueError(f"a tree holds at most {MAX_NODES} nodes (the engine's kernels pack a node's ancestors "
+                             f"into one int64), this one {spec.num_nodes}: the root, {len(spec.paths)} head paths"
+                             + (f" and a lookup chain of {spec.lookup}" if spec.lookup else ""))
+        return spec
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(_format_json(self.to_dict()))
@@ -369,18 +387,28 @@ class TreeSpec:
     @classmethod
     def load(cls, path_or_name: str | Path) -> "TreeSpec":
         """Load a JSON file, or a named tree when given a bare name: a shipped one (configs/trees) or one
-        `medusa-train train --tree-name` wrote (medusa.paths.user_trees_dir)."""
+        `medusa-train train --tree-name` wrote (medusa.paths.user_trees_dir). A bare name that is no tree's
+        but an existing file is read as the file."""
+        if not isinstance(path_or_name, (str, Path)):
+            raise ValueError(f"a tree is a name (say 'tree-16'), a JSON file's path or a TreeSpec, "
+                             f"got {path_or_name!r}")
         text = str(path_or_name)
         is_name = (isinstance(path_or_name, str) and "/" not in text and "\\" not in text
                    and not text.endswith(".json"))
         if is_name:
             file = next((d / f"{text}.json" for d in tree_dirs() if (d / f"{text}.json").is_file()), None)
+            if file is None and Path(text).is_file():
+                file, is_name = Path(text), False
             if file is None:
                 raise ValueError(f"unknown tree {text!r}; available: "
-                                 f"{', '.join(available_trees()) or '(none)'}")
+                                 f"{', '.join(available_trees()) or '(none)'} (or a JSON file's path)")
         else:
             file = Path(path_or_name)
-        spec = cls.from_dict(json.loads(file.read_text()))
+        data = _read_json(file)
+        try:
+            spec = cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"tree file {file}: {err}") from None
         if spec.name is None and is_name:
             spec = cls(spec.paths, name=text, description=spec.description, lookup=spec.lookup)
         return spec
@@ -388,6 +416,20 @@ class TreeSpec:
     def __repr__(self) -> str:
         lookup = f", lookup={self.lookup}" if self.lookup else ""
         return f"TreeSpec(name={self.name!r}, nodes={self.num_nodes}, depth={self.max_depth}{lookup})"
+
+
+def _read_json(file: Path) -> Any:
+    """A tree file's JSON (a UTF-8 BOM, as some editors write, allowed); a ValueError naming the file when it is
+    a directory, not UTF-8 text or not JSON (a missing file stays a FileNotFoundError)."""
+    if file.is_dir():
+        raise ValueError(f"tree file {file} is a directory")
+    try:
+        return json.loads(file.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError:
+        raise ValueError(f"tree file {file} is not UTF-8 text") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"tree file {file} is not valid JSON: {err.msg} at line {err.lineno} column "
+                         f"{err.colno}") from None
 
 
 def _format_json(d: dict[str, Any]) -> str:

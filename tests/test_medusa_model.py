@@ -307,3 +307,20 @@ def test_a_stream_keeps_its_result_when_iterated_again(model):
     stream = model.chat("Say yes.", max_new_tokens=6, stream=True)
     text = "".join(stream)
     assert list(stream) == [] and stream.result is not None and stream.result.text == text
+
+
+def test_a_tree_is_a_name_a_file_or_a_spec_and_anything_else_is_refused_at_once(model, tmp_path):
+    """generate(tree=...) takes a name, a JSON file's path (str or Path) or a TreeSpec; a dict, a list or a
+    number fails at the call, by name, and a tree whose ranks pass the heads' vocabulary before any step."""
+    from medusa.tree import TreeSpec
+
+    for bad in ({"paths": [[0]]}, [[0]], 5):
+        with pytest.raises(ValueError, match="tree must be a tree's name.*a JSON file's path"):
+            model.generate(QUESTION, tree=bad, max_new_tokens=2)
+    file = tmp_path / "two.json"
+    TreeSpec.chain(2, name="two").save(file)
+    want = model.generate(QUESTION, max_new_tokens=4, speculative=False).token_ids
+    assert model.generate(QUESTION, tree=file, max_new_tokens=4).token_ids == want
+    wide = TreeSpec.from_paths([(100_000,)], name="wide")
+    with pytest.raises(ValueError, match="uses rank 100000, but the heads rank a vocabulary of 49152 tokens"):
+        model.generate(QUESTION, tree=wide, max_new_tokens=2)

@@ -126,7 +126,7 @@ def _eval(args) -> int:
     heads = heads_on_their_base(base, args.heads)
     tree = tree or TreeSpec.from_paths(heads.config.tree or [], name="heads")
     try:
-        tree.check_heads(heads.config.num_heads)
+        tree.check_heads(heads.config.num_heads, heads.config.vocab_size)
     except ValueError as err:
         which = f"--tree {args.tree}" if args.tree else f"the tree saved with {args.heads}"
         raise ValueError(f"{which}: {err}; pick a tree at most {heads.config.num_heads} deep") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
@@ -64,6 +65,10 @@ def assert_same(a: TreeSpec, b: TreeSpec) -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_roundtrip_dict_and_file(seed, tmp_path):
     spec = random_tree(seed)
+    if spec.num_nodes > 64:  # the tree math has no limit, but a tree from a file is one the engine can run
+        with pytest.raises(ValueError, match="at most 64 nodes"):
+            TreeSpec.from_dict(spec.to_dict())
+        return
     assert_same(spec, TreeSpec.from_dict(spec.to_dict()))
     file = tmp_path / "t.json"
     spec.save(file)
@@ -287,3 +292,46 @@ def test_node_paths_are_the_masks_ancestors_below_the_root_in_depth_order(seed):
     for i, path in enumerate(spec.node_paths):
         assert set(path) == {j for j in range(1, spec.num_nodes) if mask[i, j]}
         assert [depths[j] for j in path] == list(range(1, depths[i] + 1))
+
+
+def test_a_tree_file_that_is_no_tree_is_named_with_what_is_wrong(tmp_path):
+    """Bad tree files fail when loaded, naming the file and the problem: never a raw TypeError or JSON error."""
+    cases = {
+        "list.json": ("[[0], [0, 0]]", "list.json: a tree spec is a JSON object with 'paths'.*got a list"),
+        "paths_int.json": ('{"paths": 5}', "paths_int.json: tree spec 'paths' must be a list of paths"),
+        "paths_null.json": ('{"paths": null}', "paths_null.json: tree spec 'paths' must be a list"),
+        "broken.json": ('{"paths": [[0], [0,0]', r"broken.json is not valid JSON: Expecting ',' delimiter at line 1"),
+        "huge.json": ('{"paths": [[99999999999999999999]]}', "has a rank 99999999999999999999 past any vocabulary"),
+        "desc.json": ('{"paths": [[0]], "description": 5}', "tree description must be a string, got 5"),
+        "big.json": (json.dumps({"paths": [[r] for r in range(64)]}), "at most 64 nodes.*this one 65"),
+        "chain.json": ('{"paths": [[0]], "lookup": 63}', "at most 64 nodes.*and a lookup chain of 63"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=message):
+            TreeSpec.load(tmp_path / name)
+    (tmp_path / "adir.json").mkdir()
+    with pytest.raises(ValueError, match="adir.json is a directory"):
+        TreeSpec.load(str(tmp_path / "adir.json"))
+    (tmp_path / "utf16.json").write_bytes('{"paths": []}'.encode("utf-16"))
+    with pytest.raises(ValueError, match="utf16.json is not UTF-8 text"):
+        TreeSpec.load(tmp_path / "utf16.json")
+    with pytest.raises(ValueError, match="a tree is a name.*got 5"):
+        TreeSpec.load(5)
+
+
+def test_a_tree_file_with_a_bom_or_without_the_json_suffix_loads(tmp_path, monkeypatch):
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + b'{"paths": [[0], [0, 0]]}')
+    assert TreeSpec.load(tmp_path / "bom.json").paths == ((0,), (0, 0))
+    (tmp_path / "mine.txt").write_text('{"paths": [[0]]}')
+    monkeypatch.chdir(tmp_path)  # a bare name that is no named tree but a file here: the file
+    assert TreeSpec.load("mine.txt").paths == ((0,),)
+    with pytest.raises(ValueError, match="unknown tree 'nosuch'.*or a JSON file's path"):
+        TreeSpec.load("nosuch")
+
+
+def test_heads_check_a_trees_ranks_against_their_vocabulary():
+    spec = TreeSpec.from_paths([(0,), (3,), (3, 1)])
+    spec.check_heads(2, vocab_size=4)
+    with pytest.raises(ValueError, match=r"path \(3,\) uses rank 3, but the heads rank a vocabulary of 3 tokens"):
+        spec.check_heads(2, vocab_size=3)

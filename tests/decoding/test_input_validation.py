@@ -98,6 +98,30 @@ def test_engine_rejects_trees_deeper_than_the_heads():
     model, heads = tiny_decoder(VOCAB, num_heads=2)
     with pytest.raises(ValueError, match="no tree in config.trees fits the heads: each needs more than their 2 heads"):
         LLMEngine(model, heads, EngineConfig(trees=("chain-3", "chain-4")))
+    # a tree the user gave is refused by name, not dropped beside ones that fit; the defaults deeper are dropped
+    with pytest.raises(ValueError, match=r"config.trees: tree chain-3: path \(0, 0, 0\) has depth 3 but the heads"):
+        LLMEngine(model, heads, EngineConfig(trees=("single", "chain-3")))
+    assert all(t.head_depth <= 2 for t in LLMEngine(model, heads, EngineConfig()).scheduler.trees)
+
+
+def test_engine_rejects_a_tree_ranking_past_the_heads_vocabulary():
+    from medusa.tree import TreeSpec
+
+    model, heads = tiny_decoder(VOCAB, num_heads=2)
+    wide = TreeSpec.from_paths([(VOCAB,)], name="wide")
+    with pytest.raises(ValueError, match=rf"tree wide: path \({VOCAB},\) uses rank {VOCAB}, but the heads rank a "
+                                         rf"vocabulary of {VOCAB} tokens"):
+        LLMEngine(model, heads, EngineConfig(trees=("single", wide)))
+
+
+@pytest.mark.parametrize("trees,message", [
+    ("tree-4", "trees must be a tuple of trees, got one: 'tree-4'"),
+    ((5,), "trees holds 5: each tree is a name"),
+    (("single", {"paths": [[0]]}), "trees holds {'paths': \\[\\[0\\]\\]}: each tree is a name"),
+])
+def test_engine_config_names_a_bad_trees_value(trees, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(trees=trees)
 
 
 @pytest.mark.parametrize("request_id", ["", 5])
