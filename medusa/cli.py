@@ -105,17 +105,21 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"\n[{len(result.token_ids)} tokens in {result.steps} steps: mean accepted length "
           f"{result.mean_accepted_length:.2f}, {result.tokens_per_second:.1f} tokens/s]")
     if args.compare:
-        _compare(model, inputs, options, result)
+        _compare(model, inputs, options, result, tree.num_nodes)
     return 0
 
 
-def _compare(model, inputs, options, medusa_result) -> None:
+def _compare(model, inputs, options, medusa_result, tree_nodes: int) -> None:
     """Plain decoding of the same prompt in the same process, for an honest ratio."""
     plain = model.generate(inputs, speculative=False, **options)
     speedup = medusa_result.tokens_per_second / max(plain.tokens_per_second, 1e-9)
     verdict = "faster" if speedup >= 1 else "slower"
     print(f"[plain decoding: {plain.tokens_per_second:.1f} tokens/s -> Medusa is {speedup:.2f}x ({verdict}) "
           f"on {model.base.embed_tokens.weight.device.type}]")
+    if tree_nodes == 1:  # the tree measured at load (or the one given) is the root alone
+        print("[the tree for this device is plain decoding (at load its trees' measured step costs said "
+              "speculation would not pay, as on a busy CPU), so both runs decoded plainly and the ratio is timing "
+              "noise; --tree tree-8 pins a speculative tree]")
     if options["temperature"] == 0:
         dtype = str(model.base.embed_tokens.weight.dtype).removeprefix("torch.")
         print(greedy_verdict(plain.token_ids, medusa_result.token_ids, dtype))
