@@ -309,11 +309,16 @@ class MedusaModel:
         if self.heads is None:
             return EngineConfig(prompt_lookup=self.prompt_lookup)
         cfg = self.heads.config
-        small = tuple(TreeSpec.search(cfg.accuracies, n, name=f"searched-{n}") for n in self.searched_sizes()) \
-            if cfg.accuracies else ("tree-4", "tree-8", "tree-16", "tree-32")
+        if cfg.accuracies:  # trees of as many nodes as few heads of short top-k lists hold
+            capacity = sum(len(cfg.accuracies[0]) ** d for d in range(len(cfg.accuracies) + 1))
+            small = tuple(TreeSpec.search(cfg.accuracies, n, name=f"searched-{n}") for n in self.searched_sizes()
+                          if n <= capacity)
+        else:
+            small = tuple(map(TreeSpec.load, ("tree-4", "tree-8", "tree-16", "tree-32")))
         own = TreeSpec.from_paths([tuple(p) for p in cfg.tree], name="heads") if cfg.tree else None
-        largest = own if own is not None and own.num_nodes <= 64 else "tree-64"
-        return EngineConfig(trees=("single",) + small + (largest,), prompt_lookup=self.prompt_lookup)
+        largest = own if own is not None and own.num_nodes <= 64 else TreeSpec.load("tree-64")
+        fitting = tuple(t for t in small + (largest,) if t.head_depth <= cfg.num_heads)  # the engine refuses others
+        return EngineConfig(trees=("single",) + fitting, prompt_lookup=self.prompt_lookup)
 
     def _generate_batch(self, prompts: list, params: SamplingParams, speculative: bool) -> list[GenerationResult]:
         ids = [self.encode(p) for p in prompts]

@@ -215,6 +215,23 @@ def test_searched_candidates_fill_their_step_tokens(tiny, lookup, monkeypatch):
     accuracies = [[0.6, 0.1, 0.05], [0.35, 0.1, 0.05], [0.25, 0.08, 0.04], [0.2, 0.06, 0.03]]
     monkeypatch.setattr(heads, "config", replace(heads.config, accuracies=accuracies))
     medusa = MedusaModel(model, None, heads, prompt_lookup=lookup)
-    searched = [t for t in medusa.engine_config().trees if isinstance(t, TreeSpec)]
+    trees = medusa.engine_config().trees
+    searched = [t for t in trees if isinstance(t, TreeSpec) and t.label.startswith("searched-")]
     assert [t.num_nodes + lookup for t in searched] == list(STEP_TOKENS)
     assert [t.label for t in searched] == [f"searched-{n - lookup}" for n in STEP_TOKENS]
+    assert trees[0] == "single" and trees[-1] == TreeSpec.load("tree-64")  # no own tree: the largest named one
+
+
+def test_a_models_engine_trees_fit_heads_shallower_than_the_named_trees():
+    """Two heads with measured accuracies and no tree of their own: the largest named tree (four deep) is left
+    out of the model's engine config, which the engine would refuse (it drops only its own default trees)."""
+    from dataclasses import replace
+
+    from medusa.medusa_model import MedusaModel
+
+    model, heads = tiny_decoder(VOCAB, logit_scale=3, num_heads=2)
+    heads.config = replace(heads.config, accuracies=[[0.6, 0.1, 0.05], [0.35, 0.1, 0.05]], tree=None)
+    config = MedusaModel(model, None, heads, prompt_lookup=0).engine_config()
+    engine = LLMEngine(model, heads, config)
+    assert "tree-64" not in [t.label for t in engine.scheduler.trees]
+    assert all(t.head_depth <= 2 for t in engine.scheduler.trees)
