@@ -40,11 +40,13 @@ DOT_MAX_ROWS = 16
 DOT_MAX_K = 1536
 DOT_TILE_BYTES = 64 * 1024  # K padded to a power of two: bf16 up to K 2048, float32 up to 1024
 # Products of more rows than one tile, up to TILED_MAX_ROWS (K still <= DOT_MAX_K), can take a tiled kernel
-# that walks K (`_tiled_dot_kernel`): a small model's weights are a few MB, so cuBLAS's launch, which cannot
-# start before the previous kernel ends, is most of such a product's time. The default model's steps of 17-64
-# tokens cost about 1.0 ms under cuBLAS against 0.63 ms for 16 tokens through the kernels (H200/H100, RESULTS.md
-# sessions 16 and 45), and a tree step at 8 requests (136 tokens) 1.25 ms against a plain one's 0.64 (session 46).
-# Not yet timed on a GPU, so `linear` sends such products to it only under MEDUSA_TILED=1.
+# that walks K (`_tiled_dot_kernel`), so that a narrow model's batch of trees stays in the PDL chain. The default
+# model's steps of 36 and 64 tokens cost 0.99 and 1.03 ms under cuBLAS against 0.63 ms for 16 through the kernels
+# (H200/H100, RESULTS.md sessions 16 and 45), a tree step at 8 requests (136 tokens) 1.25 ms against a plain
+# one's 0.64 (session 46). But session 16's K-loop probe (16-64-row tiles, PDL or not) lost to cuBLAS on the
+# 135M's 30-layer chain at 36 and 64 rows (0.77-0.80 against 0.73-0.75 ms); this one adds 64-row tiles to 512
+# rows and K slices that the consumer sums. Not timed on a GPU yet: `linear` sends such products to it only
+# under MEDUSA_TILED=1.
 TILED_MAX_ROWS = 512
 TILED_ENABLED = os.environ.get("MEDUSA_TILED", "0") == "1"
 # MEDUSA_SKINNY=0 sends every product to cuBLAS (to time one against the other, or to bisect a difference)

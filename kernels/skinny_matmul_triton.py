@@ -92,6 +92,16 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_
 
 
 @triton.jit
+def _dot_into(acc, x, w, IEEE: tl.constexpr):
+    """acc [M, N] float32 + x [M, K] @ w [N, K].T; float32 inputs (IEEE) at full precision, not TF32."""
+    if IEEE:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
 def _tiled_dot_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr,
                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr):
@@ -99,7 +109,7 @@ def _tiled_dot_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_o
     # Program (j, i, s) multiplies rows i*BLOCK_M.. by weight rows j*BLOCK_N.. over K from s*SLICE, BLOCK_K at a
     # time. Whole K (one slice, SLICE >= K): the product, rounded to out's dtype; SLICED: the float32 partial of
     # the slice at out[s] ([S, M, N], `SplitSums`). The weight's first chunk is read before the previous kernel
-    # is done (PDL); the rest of the walk is pipelined as a plain K loop.
+    # is done (PDL); each step of the walk then reads the next one.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     s = tl.program_id(2)
@@ -107,30 +117,22 @@ def _tiled_dot_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_o
     n_ok = n < N
     m_ok = m < M
     k_end = tl.minimum(s * SLICE + SLICE, K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * K
     k = s * SLICE + kk
-    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=n_ok[:, None] & (k < k_end)[None, :],
-                other=0.0)  # [BLOCK_N, BLOCK_K], the slice's first chunk
+    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_end)[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
     if HAS_BIAS:
         bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         if SLICED:
             bias = tl.where(s == 0, bias, 0.0)  # added once, by the first slice
     wait_for_previous(PDL)
-    x = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < k_end)[None, :],
-                other=0.0)
-    if IEEE:  # float32 inputs: full-precision products, not TF32
-        acc = tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:
-        acc = tl.dot(x, tl.trans(w))  # [BLOCK_M, BLOCK_N] float32
-    for start in range(s * SLICE + BLOCK_K, k_end, BLOCK_K):
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(s * SLICE, k_end, BLOCK_K):
         k = start + kk
-        k_ok = k < k_end
-        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        x = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_xm + k[None, :],
+                    mask=m_ok[:, None] & (k < k_end)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        acc = _dot_into(acc, x, w, IEEE)
+        k += BLOCK_K  # the next chunk's weights (none past the slice)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_end)[None, :], other=0.0)
     if HAS_BIAS:
         acc += bias[None, :]
     if SLICED:
