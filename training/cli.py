@@ -134,7 +134,7 @@ def _eval(args) -> int:
     cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"
     key = distill_model_key(model_id, args.model or config.model)
     _, heldout = self_distill(base, tokenizer, pool, key, config.data, cache, config.seed, system_prompt, eos,
-                              train=False)  # the held-out split is all eval reads
+                              train=False, heldout_limit=config.eval.max_sequences)  # all eval reads
     if len(heldout) == 0:
         raise ValueError(f"the held-out split is empty (data.holdout_fraction={config.data.holdout_fraction} of "
                          f"{len(pool.conversations)} prompts): nothing to measure")
@@ -173,12 +173,15 @@ def eval_config(args):
         config, source = load_config(None, args.overrides), "the defaults"
         print(f"medusa-train eval: no --config and no {saved} (a `medusa-train train` run writes it next to "
               "heads/), so the data settings are the defaults: unless their cache exists, this first self-distils "
-              "the default prompts' held-out split (GSM8K train + Self-Instruct) with the base model, "
-              "hours on a CPU. To use a run's cached data, pass --config <its recipe> output_dir=<its output_dir> "
+              f"the first {config.eval.max_sequences} held-out prompts of the default sources (GSM8K train + "
+              "Self-Instruct) with the base model, up to an hour on a CPU (eval.max_sequences=N answers fewer). "
+              "To use a run's cached data, pass --config <its recipe> output_dir=<its output_dir> "
               "(or data.cache_dir=<its cache>).", file=sys.stderr)
     cache = Path(config.data.cache_dir) if config.data.cache_dir else Path(config.output_dir) / "distill"
     print(f"medusa-train eval: data settings from {source}; held-out data from {cache / 'heldout'} or an earlier "
-          "version kept beside it (self-distilled there first if not cached with these settings)", file=sys.stderr)
+          "version kept beside it; if not cached with these settings, the first eval.max_sequences="
+          f"{config.eval.max_sequences} held-out prompts are self-distilled into "
+          f"{cache / f'heldout-first-{config.eval.max_sequences}'}", file=sys.stderr)
     return config
 
 

@@ -200,10 +200,11 @@ def _plural(n: int, noun: str) -> str:
 
 def self_distill(model: DecoderModel, tokenizer: Any, pool: PromptPool, model_id: str, settings: DataSection,
                  cache_dir: Path, seed: int, system_prompt: str | None, eos_ids: Sequence[int],
-                 train: bool = True) -> tuple[Sequences | None, Sequences]:
+                 train: bool = True, heldout_limit: int | None = None) -> tuple[Sequences | None, Sequences]:
     """(train, held-out) sequences, from the cache when model, files and settings match. train=False: the
     held-out split alone (`medusa-train eval`) and None, since the train split's answers are most of the
-    generation."""
+    generation; with `heldout_limit` N and no full held-out split cached, only its first N prompts are answered
+    (cached apart, in heldout-first-N: eval measures N sequences, so answering the rest was hours wasted)."""
     knobs = {**distill_knobs(settings), "seed": seed, "system_prompt": system_prompt}
     only = {"train": context_knobs(settings), "heldout": {}}  # held-out keeps its cache when context tasks change
     manifests = {split: manifest_for(model_id, pool.sources, {**knobs, **only[split], "split": split},
@@ -213,6 +214,14 @@ def self_distill(model: DecoderModel, tokenizer: Any, pool: PromptPool, model_id
               for split, manifest in manifests.items()}
     if cached["heldout"] is not None and (cached["train"] is not None or not train):
         return cached["train"], cached["heldout"]
+    partial = None
+    if not train and heldout_limit is not None:  # eval: the first N held-out prompts are all it reads
+        split = f"heldout-first-{heldout_limit}"
+        partial = (cache_dir / split, manifest_for(model_id, pool.sources, {**knobs, "split": split},
+                                                   len(pool.conversations)))
+        cached["heldout"] = load_cached(*partial)
+        if cached["heldout"] is not None:
+            return None, cached["heldout"]
     conversations, samples = list(pool.conversations), list(pool.samples)
     if settings.self_prompts:
         written = write_self_prompts(model, tokenizer, model_id, settings, cache_dir, seed, system_prompt, eos_ids)
@@ -220,6 +229,8 @@ def self_distill(model: DecoderModel, tokenizer: Any, pool: PromptPool, model_id
         samples += [settings.samples_per_prompt] * len(written)
     prompts = [chat_prompt_ids(tokenizer, conv, system_prompt) for conv in conversations]
     train_idx, held_idx = split_prompts(len(prompts), settings.holdout_fraction, seed)
+    if partial is not None:
+        held_idx = held_idx[:heldout_limit]
     logger.info("%s", distill_plan(settings, [samples[i] for i in train_idx] if train and cached["train"] is None
                                    else None, len(held_idx) if cached["heldout"] is None else 0, cache_dir))
     if train and cached["train"] is None:
@@ -232,5 +243,5 @@ def self_distill(model: DecoderModel, tokenizer: Any, pool: PromptPool, model_id
         answers = generate_many(model, held, GREEDY, settings.max_new_tokens, settings.distill_batch_size, eos_ids,
                                 desc="self-distilling (heldout)")
         cached["heldout"] = Sequences.from_lists([p + a for p, a in zip(held, answers)], [len(p) for p in held])
-        save_cached(cache_dir / "heldout", manifests["heldout"], cached["heldout"])
+        save_cached(*(partial or (cache_dir / "heldout", manifests["heldout"])), cached["heldout"])
     return cached["train"], cached["heldout"]

@@ -97,6 +97,31 @@ def test_the_held_out_split_alone_is_distilled_for_eval(model, chat_tokenizer, t
     assert train is None and torch.equal(again.tokens, held.tokens)
 
 
+def test_eval_answers_only_the_held_out_prompts_it_measures(model, chat_tokenizer, tmp_path, monkeypatch, caplog):
+    """eval.max_sequences=N: without a full held-out cache only the first N held-out prompts are answered (the
+    first N of the full split: batches of similar length, so the same greedy answers), cached apart; a full
+    held-out split, once cached, is read instead."""
+    settings = data_section(tmp_path)
+    pool = gather_prompts(settings, seed=0)
+    with caplog.at_level("INFO", logger="medusa.training.distill"):
+        train, held = self_distill(model, chat_tokenizer, pool, "tiny", settings, tmp_path / "cache", 0, SYSTEM,
+                                   EOS, train=False, heldout_limit=2)
+    assert "self-distilling 2 held-out prompts (greedy)" in caplog.text
+    assert train is None and len(held) == 2
+    assert (tmp_path / "cache" / "heldout-first-2").is_dir() and not (tmp_path / "cache" / "heldout").exists()
+    monkeypatch.setattr(distill, "generate_padded", no_generation)
+    _, again = self_distill(model, chat_tokenizer, pool, "tiny", settings, tmp_path / "cache", 0, SYSTEM, EOS,
+                            train=False, heldout_limit=2)  # cached: nothing generated
+    assert torch.equal(again.tokens, held.tokens)
+    monkeypatch.setattr(distill, "generate_padded", generate_padded)
+    _, (_, full) = run(model, chat_tokenizer, tmp_path, settings)
+    assert len(full) == 3 and torch.equal(full.select(range(2)).tokens, held.tokens)
+    monkeypatch.setattr(distill, "generate_padded", no_generation)
+    _, whole = self_distill(model, chat_tokenizer, pool, "tiny", settings, tmp_path / "cache", 0, SYSTEM, EOS,
+                            train=False, heldout_limit=1)  # the full split is cached: no new answers for N=1
+    assert len(whole) == 3
+
+
 def test_self_prompts_join_the_pool_and_are_cached(model, chat_tokenizer, tmp_path, monkeypatch):
     tok = chat_tokenizer
     prefix = open_user_turn_ids(tok, SYSTEM)

@@ -56,7 +56,7 @@ def test_eval_without_any_config_says_what_it_will_distil_before_loading(tmp_pat
     assert cli.main(["eval", "--heads", str(tmp_path / "heads")]) == 2
     err = capsys.readouterr().err
     assert err.index("no --config") < err.index("stopped before loading")
-    assert "self-distils the default prompts" in err and "data.cache_dir" in err
+    assert "self-distils the first 200 held-out prompts" in err and "data.cache_dir" in err
 
 
 def test_eval_refuses_a_bad_override_before_loading(tmp_path, monkeypatch, capsys):
