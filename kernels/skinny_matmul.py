@@ -9,9 +9,7 @@ a few whole weight rows, load them before waiting on the previous kernel (PDL,
 `pdl.py`), and then multiply: one row on the CUDA cores (any K up to MAX_K), up
 to DOT_MAX_ROWS rows on the tensor cores (K up to DOT_MAX_K, so that a weight
 tile and a 16-row input tile stay within one program). Larger products keep
-cuBLAS, which is at its best there, except, under MEDUSA_TILED=1, those of up to
-TILED_MAX_ROWS rows of a narrow model (K <= DOT_MAX_K), which a tiled kernel that
-walks K can take (not yet timed on a GPU). A product whose consumer sums partials as it
+cuBLAS, which is at its best there. A product whose consumer sums partials as it
 loads them (o_proj and down_proj feed the next norm, qkv_proj RoPE and the KV
 write) is cut along K instead (`SplitSums`).
 """
@@ -39,16 +37,6 @@ MAX_K = 16384  # a one-row program holds whole weight rows: 1 x 16384 bf16 is it
 DOT_MAX_ROWS = 16
 DOT_MAX_K = 1536
 DOT_TILE_BYTES = 64 * 1024  # K padded to a power of two: bf16 up to K 2048, float32 up to 1024
-# Products of more rows than one tile, up to TILED_MAX_ROWS (K still <= DOT_MAX_K), can take a tiled kernel
-# that walks K (`_tiled_dot_kernel`), so that a narrow model's batch of trees stays in the PDL chain. The default
-# model's steps of 36 and 64 tokens cost 0.99 and 1.03 ms under cuBLAS against 0.63 ms for 16 through the kernels
-# (H200/H100, RESULTS.md sessions 16 and 45), a tree step at 8 requests (136 tokens) 1.25 ms against a plain
-# one's 0.64 (session 46). But session 16's K-loop probe (16-64-row tiles, PDL or not) lost to cuBLAS on the
-# 135M's 30-layer chain at 36 and 64 rows (0.77-0.80 against 0.73-0.75 ms); this one adds 64-row tiles to 512
-# rows and K slices that the consumer sums. Not timed on a GPU yet: `linear` sends such products to it only
-# under MEDUSA_TILED=1.
-TILED_MAX_ROWS = 512
-TILED_ENABLED = os.environ.get("MEDUSA_TILED", "0") == "1"
 # MEDUSA_SKINNY=0 sends every product to cuBLAS (to time one against the other, or to bisect a difference)
 ENABLED = os.environ.get("MEDUSA_SKINNY", "1") != "0"
 # Products whose consumer sums partials (`SplitSums`: see `medusa.layers.Linear`'s split_sums) are cut
@@ -102,8 +90,7 @@ class SplitSums:
 def splits_k(rows: int, k: int, dtype: torch.dtype) -> bool:
     """Whether a product of `rows` rows and K = k of `dtype` may be cut into K slices (`SplitSums`): the
     tensor-core sizes (2..DOT_MAX_ROWS rows) of 2-byte types, K at least two slices."""
-    max_rows = TILED_MAX_ROWS if k <= DOT_MAX_K else DOT_MAX_ROWS
-    return (SPLIT_K_ENABLED and 1 < rows <= max_rows and k >= 2 * SPLIT_K_BLOCK
+    return (SPLIT_K_ENABLED and 1 < rows <= DOT_MAX_ROWS and k >= 2 * SPLIT_K_BLOCK
             and dtype in (torch.float16, torch.bfloat16))
 
 
@@ -113,18 +100,14 @@ def skinny_matmul_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 
 def fits_tensor_cores(rows: int, k: int, element_size: int) -> bool:
-    """Whether a tensor-core kernel can take `rows` rows of K = k (elements of `element_size` bytes): one 16-row
-    tile holding the whole of K, or, past DOT_MAX_ROWS rows, the tiled kernel."""
-    if DOT_MAX_ROWS < rows <= TILED_MAX_ROWS:
-        return 0 < k <= DOT_MAX_K
+    """Whether the tensor-core kernel takes `rows` rows of K = k (elements of `element_size` bytes)."""
     padded = 1 << max(k - 1, 0).bit_length()
     return 1 < rows <= DOT_MAX_ROWS and 0 < k <= DOT_MAX_K and 16 * padded * element_size <= DOT_TILE_BYTES
 
 
 def covers(rows: int, k: int, element_size: int) -> bool:
     """Whether `linear` sends a product of `rows` rows and K = k to a skinny kernel (on a GPU, at inference)."""
-    tiles = fits_tensor_cores(rows, k, element_size) and (rows <= DOT_MAX_ROWS or TILED_ENABLED)
-    return ENABLED and (0 < rows <= MAX_ROWS and 0 < k <= MAX_K or tiles)
+    return ENABLED and (0 < rows <= MAX_ROWS and 0 < k <= MAX_K or fits_tensor_cores(rows, k, element_size))
 
 
 def takes_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -7,9 +7,7 @@ Then each of the ROWS input rows is multiplied into the tile and reduced along K
 in float32, rounded once to the output dtype (as cuBLAS's epilogue rounds).
 Several rows take the tensor cores: a whole-K product per 32 weight rows, or, for a
 consumer that sums partials (`SplitSums`), one product per (32 weight rows, slice
-of K), so that a narrow weight still spreads over many SMs. Past one 16-row tile
-(a batch's trees on a narrow model), a tiled kernel walks K in 64-wide steps over
-[64 rows, 64 weight rows] tiles, whole or in the same K slices.
+of K), so that a narrow weight still spreads over many SMs.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import triton.language as tl
 
 from medusa.kernels.pdl import pdl_options, wait_for_previous
 from medusa.kernels.skinny_matmul import (DOT_MAX_K, DOT_MAX_ROWS, DOT_TILE_BYTES, KERNEL_MAX_ROWS, MAX_K,
-                                           SPLIT_K_BLOCK, TILED_MAX_ROWS, SplitSums, fits_tensor_cores, splits_k)
+                                           SPLIT_K_BLOCK, SplitSums, fits_tensor_cores, splits_k)
 
 TILE_BYTES = 16 * 1024  # a program's weight tile (H200: 8-32 KiB tiles ran within 3% of each other)
 # Weight rows per tensor-core program for 2-byte inputs. 16 rows give 4 warps only two 8-wide MMA tiles, so
@@ -28,11 +26,6 @@ TILE_BYTES = 16 * 1024  # a program's weight tile (H200: 8-32 KiB tiles ran with
 # 19) the 135M step of 2-16 tokens took 0.658-0.684 ms against 0.725-0.745 with 16 rows (8 warps: 0.680-0.757;
 # 64 rows: past the shared memory at K = 1536). float32 (tests) keeps 16: its tiles are twice the bytes.
 DOT_BLOCK_N = 32
-# Tiles of the products of more rows than one 16-row tile (`_tiled_dot_kernel`): [64 rows, 64 weight rows] of
-# bf16 in 64-wide steps of K, 3 stages (48 KiB of shared memory); float32 (tests) takes 32 weight rows.
-TILED_BLOCK_M = 64
-TILED_BLOCK_N = 64
-TILED_BLOCK_K = 64
 
 
 @triton.jit
@@ -91,75 +84,6 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _dot_into(acc, x, w, IEEE: tl.constexpr):
-    """acc [M, N] float32 + x [M, K] @ w [N, K].T; float32 inputs (IEEE) at full precision, not TF32."""
-    if IEEE:
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(x, tl.trans(w), acc)
-    return acc
-
-
-@triton.jit
-def _tiled_dot_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr):
-    # More rows than one 16-row tile (DOT_MAX_ROWS < M <= TILED_MAX_ROWS): grid (N tiles, M tiles, K slices).
-    # Program (j, i, s) multiplies rows i*BLOCK_M.. by weight rows j*BLOCK_N.. over K from s*SLICE, BLOCK_K at a
-    # time. Whole K (one slice, SLICE >= K): the product, rounded to out's dtype; SLICED: the float32 partial of
-    # the slice at out[s] ([S, M, N], `SplitSums`). The weight's first chunk is read before the previous kernel
-    # is done (PDL); each step of the walk then reads the next one.
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    s = tl.program_id(2)
-    kk = tl.arange(0, BLOCK_K)
-    n_ok = n < N
-    m_ok = m < M
-    k_end = tl.minimum(s * SLICE + SLICE, K)
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * K
-    k = s * SLICE + kk
-    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_end)[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-        if SLICED:
-            bias = tl.where(s == 0, bias, 0.0)  # added once, by the first slice
-    wait_for_previous(PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for start in range(s * SLICE, k_end, BLOCK_K):
-        k = start + kk
-        x = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_xm + k[None, :],
-                    mask=m_ok[:, None] & (k < k_end)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        acc = _dot_into(acc, x, w, IEEE)
-        k += BLOCK_K  # the next chunk's weights (none past the slice)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_end)[None, :], other=0.0)
-    if HAS_BIAS:
-        acc += bias[None, :]
-    if SLICED:
-        tl.store(out_ptr + (s * M + m).to(tl.int64)[:, None] * N + n[None, :], acc,
-                 mask=m_ok[:, None] & n_ok[None, :])
-    else:
-        tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
-
-
-def _tiled_dot(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-               slice_k: int | None) -> None:
-    """rows [M, K] (M > DOT_MAX_ROWS) @ weight.T into out: [M, N] (slice_k None: whole K) or the float32
-    partials [S, M, N] of K slices of slice_k."""
-    m, k = rows.shape
-    n = weight.shape[0]
-    block_m = TILED_BLOCK_M if m > 32 else 32
-    block_n = TILED_BLOCK_N if rows.element_size() <= 2 else 32
-    slice_k = slice_k or triton.cdiv(k, TILED_BLOCK_K) * TILED_BLOCK_K
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), triton.cdiv(k, slice_k))
-    _tiled_dot_kernel[grid](
-        rows, weight, bias if bias is not None else weight, out, m, n, k, rows.stride(0),
-        out.stride(-2), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=TILED_BLOCK_K, SLICE=slice_k,
-        HAS_BIAS=bias is not None, IEEE=rows.dtype == torch.float32, SLICED=out.dim() == 3,
-        num_warps=4, num_stages=3, **pdl_options(rows, m))
-
-
 def _check_weight_and_bias(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """weight a contiguous [N, K] and bias [N] or None, both of x's dtype (K = x's last dim)."""
     k, n = x.shape[-1], weight.shape[0]
@@ -178,16 +102,13 @@ def split_k_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     n = weight.shape[0]
     rows = x.reshape(-1, k)
     if not splits_k(rows.shape[0], k, x.dtype):
-        raise ValueError(f"split_k_matmul: 2..{DOT_MAX_ROWS} rows of fp16/bf16 with K >= {2 * SPLIT_K_BLOCK} "
-                         f"(up to {TILED_MAX_ROWS} rows where K <= {DOT_MAX_K}), got x {tuple(x.shape)} of {x.dtype}")
+        raise ValueError(f"split_k_matmul: 2..{DOT_MAX_ROWS} rows of fp16/bf16 with K >= {2 * SPLIT_K_BLOCK}, "
+                         f"got x {tuple(x.shape)} of {x.dtype}")
     _check_weight_and_bias("split_k_matmul", x, weight, bias)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     slices = triton.cdiv(k, SPLIT_K_BLOCK)
     parts = torch.empty(slices, rows.shape[0], n, dtype=torch.float32, device=x.device)
-    if rows.shape[0] > DOT_MAX_ROWS:
-        _tiled_dot(rows, weight, bias, parts, SPLIT_K_BLOCK)
-        return SplitSums(parts, x.shape[:-1] + (n,), x.dtype)
     _skinny_dot_kernel[(triton.cdiv(n, DOT_BLOCK_N), slices)](
         rows, weight, bias if bias is not None else weight, parts, rows.shape[0], n, k, rows.stride(0), n,
         BLOCK_M=16, BLOCK_N=DOT_BLOCK_N, BLOCK_K=SPLIT_K_BLOCK, HAS_BIAS=bias is not None, IEEE=False, SLICED=True,
@@ -207,14 +128,10 @@ def skinny_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if not (several or 0 < rows.shape[0] <= KERNEL_MAX_ROWS and 0 < k <= MAX_K):
         raise ValueError(f"skinny_matmul: 1..{KERNEL_MAX_ROWS} rows of 1..{MAX_K} features, or up to "
                          f"{DOT_MAX_ROWS} rows of K <= {DOT_MAX_K} (a [16, K] tile of at most {DOT_TILE_BYTES} "
-                         f"bytes), or up to {TILED_MAX_ROWS} rows of K <= {DOT_MAX_K}, got x {tuple(x.shape)} of "
-                         f"{x.dtype}")
+                         f"bytes), got x {tuple(x.shape)} of {x.dtype}")
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
-    if rows.shape[0] > DOT_MAX_ROWS:
-        _tiled_dot(rows, weight, bias, out, None)
-        return out.view(*x.shape[:-1], n)
     block_k = triton.next_power_of_2(k)
     if several:  # tensor cores
         block_n = DOT_BLOCK_N if x.element_size() <= 2 else 16

@@ -6,10 +6,9 @@ import torch
 pytest.importorskip("triton")
 
 from medusa.kernels import pdl  # noqa: E402
-from medusa.kernels import skinny_matmul as skinny  # noqa: E402
 from medusa.kernels.dispatch import overlapped_launches  # noqa: E402
 from medusa.kernels.skinny_matmul import (  # noqa: E402
-    DOT_MAX_K, DOT_MAX_ROWS, KERNEL_MAX_ROWS, TILED_MAX_ROWS, covers, skinny_matmul_reference, takes_skinny)
+    DOT_MAX_K, DOT_MAX_ROWS, KERNEL_MAX_ROWS, covers, skinny_matmul_reference, takes_skinny)
 from medusa.kernels.skinny_matmul_triton import skinny_matmul_triton  # noqa: E402
 
 from kernel_inputs import DEVICE, rand  # noqa: E402
@@ -21,12 +20,10 @@ def close(a, b, dtype):
 
 
 # (rows, K, N): K not a power of two (576, 100), N not a multiple of a program's rows; one row (CUDA cores),
-# 2 to 16 rows (tensor cores: a full 16-row tile, partial ones); past 16 the tiled kernel: one partial 32-row tile
-# (17, 30), 64-row tiles (64, 130: three, the last partial), K a multiple of its 64-wide steps or not
+# 2 to 16 rows (tensor cores: a full 16-row tile, partial ones)
 @pytest.mark.parametrize("seed,rows,k,n,bias", [(0, 1, 576, 96, False), (1, 3, 100, 37, True), (2, 16, 64, 300, False),
                                                  (3, 2, 1536, 40, True), (4, 16, 576, 50, False), (5, 9, 1536, 16, True),
-                                                 (6, 1, 3000, 20, True), (7, 17, 100, 37, True), (8, 30, 576, 70, False),
-                                                 (9, 64, 64, 65, True), (10, 130, 1536, 20, False)])
+                                                 (6, 1, 3000, 20, True)])
 def test_matches_linear(seed, rows, k, n, bias):
     g = torch.Generator().manual_seed(seed)
     x, w = rand(g, rows, k), rand(g, n, k)
@@ -54,9 +51,7 @@ def test_wrapper_names_bad_inputs():
     with pytest.raises(ValueError, match="contiguous"):
         skinny_matmul_triton(x, rand(g, 32, 16).t())
     with pytest.raises(ValueError, match="rows"):
-        skinny_matmul_triton(rand(g, TILED_MAX_ROWS + 1, 32), w)
-    with pytest.raises(ValueError, match="rows"):
-        skinny_matmul_triton(rand(g, DOT_MAX_ROWS + 1, DOT_MAX_K + 1), rand(g, 4, DOT_MAX_K + 1))
+        skinny_matmul_triton(rand(g, DOT_MAX_ROWS + 1, 32), w)
     with pytest.raises(ValueError, match="rows"):
         skinny_matmul_triton(rand(g, KERNEL_MAX_ROWS + 1, DOT_MAX_K + 1), rand(g, 4, DOT_MAX_K + 1))
     with pytest.raises(ValueError, match="dtype"):
@@ -85,34 +80,13 @@ def test_split_k_products_match_linear(seed, rows, k, n, bias):
     assert close(got.total(), want, torch.float16) and got.total().dtype == torch.float16
 
 
-@pytest.mark.parametrize("seed,rows,k,n,bias", [(0, 17, 576, 40, True), (1, 100, 1536, 33, False)])
-def test_split_k_products_of_more_rows_than_a_tile_match_linear(seed, rows, k, n, bias):
-    """The tiled kernel's K slices: each (M tile, N tile, slice) program stores its slice's float32 partial."""
-    from medusa.kernels.skinny_matmul import SPLIT_K_BLOCK
-    from medusa.kernels.skinny_matmul_triton import split_k_matmul_triton
-
-    g = torch.Generator().manual_seed(seed)
-    x, w = rand(g, rows, k, dtype=torch.float16) / 8, rand(g, n, k, dtype=torch.float16) / 8
-    b = rand(g, n, dtype=torch.float16) if bias else None
-    got = split_k_matmul_triton(x, w, b)
-    assert got.parts.shape == (-(-k // SPLIT_K_BLOCK), rows, n)
-    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    for s in range(got.parts.shape[0]):  # each slice holds its own K range's product (the bias in the first)
-        ks = slice(s * SPLIT_K_BLOCK, (s + 1) * SPLIT_K_BLOCK)
-        part = x[:, ks].float() @ w[:, ks].float().T + (b.float() if b is not None and s == 0 else 0)
-        assert torch.allclose(got.parts[s], part, atol=1e-3, rtol=1e-3)
-    assert torch.allclose(got.parts.sum(0), want, atol=1e-3, rtol=1e-3)
-
-
 def test_which_products_split_k_and_what_the_wrapper_refuses():
     from medusa.kernels.skinny_matmul import SPLIT_K_BLOCK, splits_k
     from medusa.kernels.skinny_matmul_triton import split_k_matmul_triton
 
     assert splits_k(2, 2 * SPLIT_K_BLOCK, torch.bfloat16) and splits_k(DOT_MAX_ROWS, 1536, torch.float16)
     assert not splits_k(1, 1536, torch.bfloat16)  # a plain step's row: the CUDA-core kernel
-    assert splits_k(DOT_MAX_ROWS + 1, 1536, torch.bfloat16) and splits_k(TILED_MAX_ROWS, 576, torch.float16)
-    assert not splits_k(TILED_MAX_ROWS + 1, 1536, torch.bfloat16)  # a large batch: cuBLAS
-    assert not splits_k(DOT_MAX_ROWS + 1, 2048, torch.bfloat16)  # a wider model's batch: cuBLAS
+    assert not splits_k(DOT_MAX_ROWS + 1, 1536, torch.bfloat16)  # a batch: cuBLAS
     assert not splits_k(8, 2 * SPLIT_K_BLOCK - 1, torch.bfloat16)  # one slice would be all of K
     assert not splits_k(8, 1536, torch.float32)  # float32 (the equality tests) keeps whole-K products
     g = torch.Generator().manual_seed(9)
@@ -144,16 +118,6 @@ def test_which_products_take_the_kernels():
     assert not takes_skinny(rand(g, 1, 32), w.to(torch.bfloat16), None)  # mixed dtypes
     with torch.enable_grad():
         assert not takes_skinny(rand(g, 1, 32), w, None)  # training
-
-
-def test_the_tiled_kernel_takes_a_batchs_trees_only_when_enabled(monkeypatch):
-    """Past one 16-row tile, `linear` keeps cuBLAS unless MEDUSA_TILED=1 (not yet timed on a GPU); then
-    products of up to TILED_MAX_ROWS rows of K <= DOT_MAX_K take the tiled kernel."""
-    monkeypatch.setattr(skinny, "TILED_ENABLED", False)
-    assert not covers(DOT_MAX_ROWS + 1, 576, 2) and covers(DOT_MAX_ROWS, 576, 2)
-    monkeypatch.setattr(skinny, "TILED_ENABLED", True)
-    assert covers(DOT_MAX_ROWS + 1, 576, 2) and covers(TILED_MAX_ROWS, DOT_MAX_K, 4)  # trees of a batch
-    assert not covers(TILED_MAX_ROWS + 1, 576, 2) and not covers(DOT_MAX_ROWS + 1, DOT_MAX_K + 1, 2)
 
 
 @pytest.mark.parametrize("shape", [(2, 64), (64, 64), (3, 5, 64)])
@@ -203,17 +167,17 @@ def test_a_model_step_sets_overlapped_launches_for_its_kernels_and_restores_them
 def test_full_size_shapes_match_linear(k, n):
     g = torch.Generator().manual_seed(7)
     w = rand(g, n, k, dtype=torch.bfloat16)
-    for rows in (1, 2, 4, 8) + ((9, 16, 17, 64, 136, TILED_MAX_ROWS) if k <= DOT_MAX_K else ()):
+    for rows in (1, 2, 4, 8) + ((9, 16) if k <= DOT_MAX_K else ()):
         x = rand(g, rows, k, dtype=torch.bfloat16)
         assert close(skinny_matmul_triton(x, w), skinny_matmul_reference(x, w, None), torch.bfloat16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16, 136])
+@pytest.mark.parametrize("rows", [1, 16])
 def test_a_pdl_chain_replayed_in_a_cuda_graph_matches_eager_references(rows):
     """norm -> matmul -> SiLU-and-mul -> matmul, 8 times over, every kernel launched with PDL inside
-    one captured graph (a plain step's one row, a tree's 16, a batch's trees 136): each kernel must still see
-    its predecessor's finished output."""
+    one captured graph (a plain step's one row, a tree's 16): each kernel must still see its
+    predecessor's finished output."""
     from medusa.kernels.dispatch import overlapped_launches
     from medusa.kernels.fused_ops import rms_norm_reference, silu_and_mul_reference
     from medusa.kernels.fused_ops_triton import rms_norm_triton, silu_and_mul_triton
@@ -253,19 +217,15 @@ def test_a_pdl_chain_replayed_in_a_cuda_graph_matches_eager_references(rows):
         assert torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("tokens,tiled,overlapped", [(1, False, True), (12, False, True),
-                                                     (DOT_MAX_ROWS + 1, False, False), (DOT_MAX_ROWS + 1, True, True),
-                                                     (TILED_MAX_ROWS + 1, True, False)])
-def test_a_forward_launches_with_pdl_only_where_every_matmul_is_skinny(monkeypatch, tokens, tiled, overlapped):
-    """The model decides for its whole forward: a plain step, a tree (or, with the tiled kernel, a batch's trees)
-    on a narrow model, every matmul one of our kernels, overlap their launches; a larger step, whose matmuls are
-    cuBLAS's, does not."""
+@pytest.mark.parametrize("tokens,overlapped", [(1, True), (12, True), (DOT_MAX_ROWS + 1, False)])
+def test_a_forward_launches_with_pdl_only_where_every_matmul_is_skinny(monkeypatch, tokens, overlapped):
+    """The model decides for its whole forward: a plain step, a small tree on a narrow model (every matmul a
+    skinny one) overlap their launches; a larger step, whose matmuls are cuBLAS's, does not."""
     import medusa.model
     from medusa.attention import CausalAttention
     from tiny_models import tiny_decoder
 
-    monkeypatch.setattr(skinny, "TILED_ENABLED", tiled)
-    model, _ = tiny_decoder(max_positions=TILED_MAX_ROWS + 1)
+    model, _ = tiny_decoder()
     seen = []
     real = medusa.model.overlapped_launches
 
