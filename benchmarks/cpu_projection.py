@@ -9,9 +9,9 @@
 
 1. both forms for the model's lm_head shape at 1 to 256 rows (cache-warm, median of --repeats calls), and
    for other weights of 2-235 MB at 2-64 rows (the data behind CPU_SWAP_MIN_BYTES);
-2. with `swaps_on_cpu` on and off, in interleaved rounds: a verification forward of 1, 4 and 16 tokens
-   after 256 cached ones (`tree_select.step_seconds`) and the heads' proposals (`heads_seconds`), the two
-   costs the batch-1 decoder's tree choice weighs.
+2. with `swaps_on_cpu` on, on for the lm_head alone (session 27's rule) and off, in interleaved rounds: a
+   verification forward of 1, 4, 8 and 16 tokens after 256 cached ones (`tree_select.step_seconds`) and the
+   heads' proposals (`heads_seconds`), the two costs the batch-1 decoder's tree choice weighs.
 
 CPU timings vary between runs (other processes, frequency scaling): compare within one run. Writes
 results.json.
@@ -34,7 +34,7 @@ from medusa.heads import HeadsConfig, MedusaHeads
 from medusa.loading import empty_model
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-TREE_TOKENS = (1, 4, 16)
+TREE_TOKENS = (1, 4, 8, 16)
 # weights of 2 MB to 235 MB: the default model's gate/up (7 MB), vocabulary projections of 32k-49k tokens,
 # a 1B-class lm_head slice and an 8B-class down projection
 OTHER_WEIGHTS = ((8192, 64), (3072, 576), (8192, 576), (32000, 576), (8192, 2048), (32000, 2048), (14336, 4096))
@@ -64,33 +64,44 @@ def projection_curve(weight: torch.Tensor, rows: tuple[int, ...], repeats: int) 
     return out
 
 
+# session 27's rule: only weights of 16 MB or more (the default model's lm_head, not its layers) swapped
+LM_HEAD_ONLY_BYTES = 16 << 20
+
+
 def step_rounds(base, heads, rounds: int, repeats: int) -> dict[str, list[dict]]:
-    """Interleaved rounds of (swap on, swap off): forward ms per tree size and the heads' ms."""
+    """Interleaved rounds of swap on (`swaps_on_cpu`), on for weights of LM_HEAD_ONLY_BYTES or more only, and
+    off: forward ms per tree size and the heads' ms."""
     enabled = skinny.swaps_on_cpu
-    runs: dict[str, list[dict]] = {"on": [], "off": []}
+
+    def large_only(x, weight):
+        return enabled(x, weight) and weight.numel() * weight.element_size() >= LM_HEAD_ONLY_BYTES
+
+    rules = {"on": enabled, "lm_head_only": large_only, "off": lambda x, weight: False}
+    runs: dict[str, list[dict]] = {label: [] for label in rules}
     try:
         for _ in range(rounds):
-            for label in ("on", "off"):
-                skinny.swaps_on_cpu = enabled if label == "on" else (lambda x, weight: False)
+            for label, rule in rules.items():
+                skinny.swaps_on_cpu = rule
                 row = {f"forward_{n}_ms": round(step_seconds(base, n, 256, repeats) * 1e3, 2) for n in TREE_TOKENS}
                 row["heads_ms"] = round(heads_seconds(base, heads, repeats) * 1e3, 2)
                 runs[label].append(row)
-                print(f"  swap {label:3s}: {row}", flush=True)
+                print(f"  swap {label:12s}: {row}", flush=True)
     finally:
         skinny.swaps_on_cpu = enabled
     return runs
 
 
 def load(quick: bool):
-    if quick:  # an lm_head just large enough to take the swapped path (float32 rows of 64)
-        config = ModelConfig(model_type="llama", vocab_size=skinny.CPU_SWAP_MIN_BYTES // 256, hidden_size=64,
-                             intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                             max_position_embeddings=512)
+    if quick:  # an lm_head just large enough to take the swapped path (float32 rows of CPU_SWAP_MIN_K)
+        hidden = skinny.CPU_SWAP_MIN_K
+        config = ModelConfig(model_type="llama", vocab_size=skinny.CPU_SWAP_MIN_BYTES // (4 * hidden),
+                             hidden_size=hidden, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                             head_dim=16, max_position_embeddings=512)
         torch.manual_seed(0)
         base = empty_model(config, torch.float32, torch.device("cpu"))
         for p in base.parameters():
             p.data.normal_(0, 0.02)
-        heads = MedusaHeads(HeadsConfig(num_heads=4, hidden_size=64, vocab_size=config.vocab_size)).eval()
+        heads = MedusaHeads(HeadsConfig(num_heads=4, hidden_size=hidden, vocab_size=config.vocab_size)).eval()
         return base, heads, "random (quick)"
     from medusa.medusa_model import MedusaModel
 

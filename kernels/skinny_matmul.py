@@ -49,9 +49,12 @@ SPLIT_K_ENABLED = os.environ.get("MEDUSA_SPLIT_K", "1") != "0"
 # On a CPU, F.linear of a few rows by a large weight (x @ W.T) ran 1.1-3.9x slower than the same product
 # with the weight as the left operand (W @ x.T): 2 cores, MKL, float32, weights of 19-262 MB at 2-64 rows (the
 # default model's [49152, 576] lm_head: 2-4 rows 22-23 against 6-9 ms, 8-32 rows 1.1-1.6x, 64 rows about even,
-# slower from 128),
-# where weights of 2-7 MB, which caches hold, gained little or lost (RESULTS.md, session 27).
-CPU_SWAP_MIN_BYTES = 16 << 20  # the default model's lm_head (113 MB), not its layers (<= 7 MB)
+# slower from 128; RESULTS.md, session 27). Session 27 kept the default model's layers (1.3-7 MB) on F.linear
+# from a [8192, 64] weight that lost (0.7-1.0x: K = 64); its [3072, 576] gate/up gained 2.0-3.9x at 2-16 rows
+# (session 47), and swapping every layer cut the default model's forward of 8 tokens from 206 to 116-122 ms
+# (4 tokens: 158-170 -> 87-90 ms, what one token costs; `benchmarks/cpu_projection.py`).
+CPU_SWAP_MIN_BYTES = 1 << 20  # the default model's lm_head and its layers' weights (576 x 576 fp32 is 1.3 MB)
+CPU_SWAP_MIN_K = 256  # K = 64 lost, K >= 576 gained; between them untimed
 CPU_SWAP_MAX_ROWS = 64
 
 
@@ -127,11 +130,11 @@ def takes_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def swaps_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` computes this CPU product as weight @ x.T: inference, 2 to CPU_SWAP_MAX_ROWS rows,
-    a weight of at least CPU_SWAP_MIN_BYTES (one row stays F.linear: it is a matrix-vector product either
-    way, and a plain step's logits keep F.linear's exact values)."""
+    a weight of at least CPU_SWAP_MIN_BYTES and K of at least CPU_SWAP_MIN_K (one row stays F.linear: it is
+    a matrix-vector product either way, and a plain step's logits keep F.linear's exact values)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (x.device.type == "cpu" and 2 <= rows <= CPU_SWAP_MAX_ROWS and not torch.is_grad_enabled()
-            and weight.numel() * weight.element_size() >= CPU_SWAP_MIN_BYTES)
+            and weight.shape[-1] >= CPU_SWAP_MIN_K and weight.numel() * weight.element_size() >= CPU_SWAP_MIN_BYTES)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -120,16 +120,19 @@ def test_which_products_take_the_kernels():
         assert not takes_skinny(rand(g, 1, 32), w, None)  # training
 
 
-@pytest.mark.parametrize("shape", [(2, 64), (64, 64), (3, 5, 64)])
+@pytest.mark.parametrize("shape", [(2, 256), (64, 256), (3, 5, 256)])
 def test_cpu_products_of_few_rows_by_large_weights_swap_operands_and_match_linear(shape):
-    """At inference on a CPU, 2-64 rows times a weight of CPU_SWAP_MIN_BYTES or more run as weight @ x.T
-    (faster under MKL, RESULTS.md session 27), leading dimensions kept, bias added, contiguous as F.linear's
-    output; one row, more rows, smaller weights and training keep F.linear."""
-    from medusa.kernels.skinny_matmul import CPU_SWAP_MAX_ROWS, CPU_SWAP_MIN_BYTES, linear, swaps_on_cpu
+    """At inference on a CPU, 2-64 rows times a weight of CPU_SWAP_MIN_BYTES or more and K of CPU_SWAP_MIN_K
+    or more run as weight @ x.T (faster under MKL, RESULTS.md sessions 27 and 47), leading dimensions kept,
+    bias added, contiguous as F.linear's output; one row, more rows, smaller weights, a smaller K and
+    training keep F.linear."""
+    from medusa.kernels.skinny_matmul import CPU_SWAP_MAX_ROWS, CPU_SWAP_MIN_BYTES, CPU_SWAP_MIN_K, linear, swaps_on_cpu
 
+    k = CPU_SWAP_MIN_K
+    assert shape[-1] == k
     g = torch.Generator().manual_seed(8)
-    out_rows = CPU_SWAP_MIN_BYTES // (4 * 64)  # float32 rows of 64: exactly the threshold
-    w = torch.randn(out_rows, 64, generator=g)
+    out_rows = CPU_SWAP_MIN_BYTES // (4 * k)  # float32 rows of K: exactly the threshold
+    w = torch.randn(out_rows, k, generator=g)
     b = torch.randn(out_rows, generator=g)
     x = torch.randn(*shape, generator=g)
     with torch.inference_mode():
@@ -137,10 +140,12 @@ def test_cpu_products_of_few_rows_by_large_weights_swap_operands_and_match_linea
         for bias in (None, b):
             got = linear(x, w, bias)
             assert got.shape == (*shape[:-1], out_rows) and got.is_contiguous()
-            assert torch.allclose(got, torch.nn.functional.linear(x, w, bias), atol=1e-5, rtol=1e-5)
-        assert not swaps_on_cpu(x.reshape(-1, 64)[:1], w)  # one row
-        assert not swaps_on_cpu(torch.randn(CPU_SWAP_MAX_ROWS + 1, 64, generator=g), w)
+            assert torch.allclose(got, torch.nn.functional.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+        assert not swaps_on_cpu(x.reshape(-1, k)[:1], w)  # one row
+        assert not swaps_on_cpu(torch.randn(CPU_SWAP_MAX_ROWS + 1, k, generator=g), w)
         assert not swaps_on_cpu(x, w[:-1])  # a smaller weight
+        narrow = torch.randn(2 * out_rows, k // 2, generator=g)  # as many bytes, K below CPU_SWAP_MIN_K
+        assert not swaps_on_cpu(torch.randn(4, k // 2, generator=g), narrow)
     assert not swaps_on_cpu(x, w)  # training (grad enabled)
 
 
