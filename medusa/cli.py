@@ -124,8 +124,8 @@ def _compare(model, inputs, options, medusa_result, tree_nodes: int) -> None:
         dtype = str(model.base.embed_tokens.weight.dtype).removeprefix("torch.")
         print(greedy_verdict(plain.token_ids, medusa_result.token_ids, dtype))
     if speedup < 1 and model.base.embed_tokens.weight.device.type == "cpu":
-        print("[on a CPU, verifying a tree of 4-16 tokens costs about 1.5-2.5 single-token steps, so Medusa "
-              "gains only where the heads accept well; on a GPU the tree is nearly free]")
+        print("[on a CPU, verifying a tree of 4-16 tokens costs about 1-2 single-token steps, so Medusa "
+              "gains only where the heads accept well (and the CPU is not busy); on a GPU the tree is nearly free]")
 
 
 def greedy_verdict(plain: list[int], medusa: list[int], dtype: str) -> str:
