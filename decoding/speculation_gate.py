@@ -5,8 +5,9 @@ held-out accuracies (`tree_select.choose_tree`). Real text is often harder than
 held-out data, and on a CPU a tree of 8-16 tokens costs 1.3-2 single-token
 steps plus the heads' vocabulary projection (2 cores, RESULTS.md session 47;
 1.5-2.5 in session 27): a chat prompt ran at 0.74x plain decoding's speed
-without this gate (README, session 6). So the decoder measures both kinds of step as it goes and runs the
-faster one, the way the engine's `TreePolicy` does for each batch size:
+without this gate (README, session 6). So the decoder measures both kinds of
+step as it goes and runs the faster one, the way the engine's `TreePolicy`
+does for each batch size:
 
 - the first TRIAL_STEPS steps speculate, the next TRIAL_STEPS run plain;
 - from then on a step speculates when the recent speculative steps' tokens per
