@@ -21,15 +21,16 @@ class AttentionBackend(Protocol):
         ...
 
 
-# On a CPU, SDPA's grouped-query path (`enable_gqa`) with a mask is erratic and often slow where few queries meet
-# many keys; with each KV head's query heads folded into the query length it is steady. 2 cores, torch 2.13, the
-# default model's 9/3 heads of 64, per call, folded against SDPA's grouped path: one query at 512 keys 192-202 us
-# against 435-2090; 16 at 512 545-603 against 657-2775; 16 at 2048 1.4-1.7 against 3.5-8.3 ms; 48 at 2048 4.4
-# against 4.7 ms. But 64 queries lost (2.6 against 2.0 ms at 512 keys) and so did short contexts (16 at 128 keys
-# 279 against 243 us). Eagerly, a decode step of the engine at 2048 cached tokens took 146 -> 95 ms, the batch-1
-# decoder's 16-node tree 235 -> 152 ms. A causal call keeps SDPA's path (its flash kernel).
-CPU_FOLD_MAX_QUERIES = 48
-CPU_FOLD_MIN_KEYS = 384
+# On a CPU, SDPA spends more in dispatch than in arithmetic when few queries attend (a decode or a tree
+# verification step): there `attend` runs an explicit product, softmax and product, each KV head's query heads
+# folded into the query length. 2 cores, torch 2.13, float32, the default model's 9/3 heads of 64, a tree mask,
+# per call (session 48), the previous path (SDPA; its query heads folded past 384 keys) against explicit: one
+# query at 256 keys 198-241 -> 130 us, at 2048 892 -> 464; 16 queries at 256 489-559 -> 399; 17 at 1024
+# 1838 -> 1382; 64 at 512 2928 -> 2404 (faster at every shape tried, 1-64 queries over 16-2048 keys). bfloat16
+# stays on SDPA (explicit bf16 products were 1.3-8x slower on this AVX2 CPU), and so do causal calls (prompt
+# forwards: SDPA's flash kernel) and more queries.
+CPU_EXPLICIT_MAX_QUERIES = 64
+_EXPLICIT_DTYPES = (torch.float32, torch.float64)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -40,9 +41,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     (True = may attend). Returns [..., T, Hq, D].
     """
     heads, kv_heads = q.shape[-2], k.shape[-2]
-    if heads != kv_heads and q.device.type == "cpu" and not causal and q.shape[-3] <= CPU_FOLD_MAX_QUERIES \
-            and k.shape[-3] >= CPU_FOLD_MIN_KEYS:
-        return _attend_folded(q, k, v, mask, scale, heads // kv_heads)
+    if q.device.type == "cpu" and not causal and q.shape[-3] <= CPU_EXPLICIT_MAX_QUERIES \
+            and q.dtype in _EXPLICIT_DTYPES:
+        return _attend_explicit(q, k, v, mask, scale, heads // kv_heads)
     out = F.scaled_dot_product_attention(
         q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3),
         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=heads != kv_heads,
@@ -50,26 +51,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(-2, -3)
 
 
-def _attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   scale: float | None, group: int) -> torch.Tensor:
-    """`attend` on a CPU: each KV head's `group` query heads folded into the query length, q [..., Hkv, G*T, D]
-    against k/v [..., Hkv, S, D]."""
+def _attend_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float | None, group: int) -> torch.Tensor:
+    """`attend` on a CPU as matmul, softmax, matmul: each KV head's `group` query heads folded into the query
+    length, q [..., Hkv, G*T, D] against k/v [..., Hkv, S, D]. A query whose mask hides every key gets the
+    mean of the values (SDPA: zeros); no caller asks for one, since every query sees at least itself."""
     *lead, t, heads, d = q.shape
-    folded = q.transpose(-2, -3).reshape(*lead, heads // group, group * t, d)  # head kv*G + g -> rows g*T + t
-    if mask is not None:
-        mask = _fold_mask(mask, heads, group)
-    out = F.scaled_dot_product_attention(folded, k.transpose(-2, -3), v.transpose(-2, -3), attn_mask=mask,
-                                         scale=scale)
+    kv_heads = heads // group
+    matmul = torch.matmul if lead else torch.bmm  # bmm: a few us less a call, 3-D only
+    folded = q.transpose(-2, -3).reshape(*lead, kv_heads, group * t, d)  # head kv*G + g -> rows g*T + t
+    scores = matmul(folded, k.transpose(-2, -3).transpose(-1, -2))  # [..., Hkv, G*T, S]
+    scores.mul_(scale if scale is not None else d ** -0.5)
+    if mask is not None:  # a finite fill: a row that sees nothing stays finite
+        scores.view(*scores.shape[:-2], group, t, -1).masked_fill_(~_split_heads(mask, kv_heads, group),
+                                                                    torch.finfo(scores.dtype).min)
+    out = matmul(scores.softmax(-1), v.transpose(-2, -3))  # [..., Hkv, G*T, D]
     return out.reshape(*lead, heads, t, d).transpose(-2, -3)
 
 
-def _fold_mask(mask: torch.Tensor, heads: int, group: int) -> torch.Tensor:
-    """A mask broadcastable to [..., Hq, T, S] -> one for the folded queries [..., Hkv, G*T, S]: a mask per
-    query head is regrouped, one shared by the heads is repeated G times along the queries."""
-    t, s = mask.shape[-2:]
-    if mask.dim() >= 3 and mask.shape[-3] == heads:
-        return mask.reshape(*mask.shape[:-3], heads // group, group * t, s)
-    return mask.repeat(*([1] * (mask.dim() - 2)), group, 1)
+def _split_heads(mask: torch.Tensor, kv_heads: int, group: int) -> torch.Tensor:
+    """A mask broadcastable to [..., Hq, T, S] -> one broadcastable to [..., Hkv, G, T, S] (no copy)."""
+    if mask.dim() >= 3 and mask.shape[-3] == kv_heads * group:
+        return mask.view(*mask.shape[:-3], kv_heads, group, *mask.shape[-2:])
+    return mask.unsqueeze(-3)
 
 
 def sliding_window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int) -> torch.Tensor:
