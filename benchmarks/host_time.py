@@ -41,7 +41,8 @@ from throughput import run_level
 PARTS = {  # label -> (owner attribute path from the engine, method)
     "step": ("", "step"), "schedule": ("scheduler", "schedule"), "prepare": ("runner.decode", "prepare"),
     "forward": ("runner.decode", "forward"), "finish_to_host": ("runner.decode", "finish_to_host"),
-    "apply_rows": ("", "_apply_rows"), "apply_steps": ("", "_apply_steps"), "append": ("", "_append"), "output": ("", "_output"),
+    "apply_rows": ("", "_apply_rows"), "apply_steps": ("", "_apply_steps"), "append": ("", "_append"),
+    "output": ("", "_output"),
     "commit": ("blocks", "commit"), "start_decoding": ("", "_start_decoding"),
 }
 
@@ -143,13 +144,14 @@ def main() -> None:
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
-    attention = paged_cache.paged_attention_reference
-    paged_cache.paged_attention_reference = lambda q, *rest, **kw: q.clone()  # the stub: host work only
+    attention = paged_cache.reference_plan, paged_cache.attend_planned
+    paged_cache.reference_plan = lambda *args: []  # stubs: host work only
+    paged_cache.attend_planned = lambda q, *rest, **kw: q.clone()
     try:
         levels = [host_level(m, args.concurrency, args.requests_per_slot, args.max_tokens, args.repeats, tokenizer, k)
                   for m in args.modes for k in args.apply_interval]
     finally:
-        paged_cache.paged_attention_reference = attention
+        paged_cache.reference_plan, paged_cache.attend_planned = attention
     result = {"device": "cpu", "levels": levels, "detokenizer_us_per_token": detokenizer_us(tokenizer)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

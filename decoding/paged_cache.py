@@ -16,7 +16,8 @@ import torch
 from medusa.config import ModelConfig
 from medusa.kernels.dispatch import use_triton
 from medusa.kernels.kv_move import move_kv
-from medusa.kernels.paged_attention import kernel_pages, paged_attention_reference, write_kv_reference
+from medusa.kernels.paged_attention import (attend_planned, kernel_pages, kv_writes, reference_plan,
+                                            write_kv_planned)
 from medusa.kernels.skinny_matmul import SplitSums
 
 
@@ -53,14 +54,16 @@ class PagedKVCache:
         self.use_triton = device.type == "cuda" and _triton_available() and kernel_pages(block_size)
         # layer -> TMA descriptors of its K/V pools (pages >= 64 keys), None where TMA does not fit; decided once
         self._descriptors: dict[int, tuple | None] = {}
+        self._plan: tuple | None = None  # the reference's writes and per-sequence plan, built once a step
+
 
     def forward(self, model, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
         """model(input_ids, positions) [T] over this cache with `step`'s slots and masks -> hidden [T, H]."""
-        self.step = step
+        self.step, self._plan = step, None
         try:
             return model(input_ids, positions, self)
         finally:
-            self.step = None
+            self.step, self._plan = None, None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]"""
@@ -101,10 +104,14 @@ class PagedKVCache:
                                       descriptors=self._descriptors.get(layer))
 
     def _reference(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The PyTorch path: the step's slots and masks are the same in every layer, so they are found once."""
         s = self.step
-        write_kv_reference(self.k[layer], self.v[layer], k, v, s.slot_mapping)
-        return paged_attention_reference(q, self.k[layer], self.v[layer], s.block_tables, s.kv_lens,
-                                         s.query_start, s.causal, s.step_bits, self.block_size)
+        if self._plan is None:
+            self._plan = (kv_writes(s.slot_mapping), reference_plan(s.block_tables, s.kv_lens, s.query_start,
+                                                                    s.causal, s.step_bits, self.block_size))
+        writes, plan = self._plan
+        write_kv_planned(self.k[layer], self.v[layer], k, v, writes)
+        return attend_planned(q, self.k[layer], self.v[layer], plan)
 
     def move_all(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, moves_per_row: int | None = None) -> None:
         """KV rows src -> dst [n] int64 in every layer (graph-safe: no host sync); on a GPU one launch
