@@ -56,7 +56,6 @@ class PagedKVCache:
         self._descriptors: dict[int, tuple | None] = {}
         self._plan: tuple | None = None  # the reference's writes and per-sequence plan, built once a step
 
-
     def forward(self, model, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
         """model(input_ids, positions) [T] over this cache with `step`'s slots and masks -> hidden [T, H]."""
         self.step, self._plan = step, None
