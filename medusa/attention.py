@@ -24,9 +24,10 @@ class AttentionBackend(Protocol):
 # On a CPU, SDPA spends more in dispatch than in arithmetic when few queries attend (a decode or a tree
 # verification step): there `attend` runs an explicit product, softmax and product, each KV head's query heads
 # folded into the query length. 2 cores, torch 2.13, float32, the default model's 9/3 heads of 64, a tree mask,
-# per call (session 48), the previous path (SDPA; its query heads folded past 384 keys) against explicit: one
-# query at 256 keys 198-241 -> 130 us, at 2048 892 -> 464; 16 queries at 256 489-559 -> 399; 17 at 1024
-# 1838 -> 1382; 64 at 512 2928 -> 2404 (faster at every shape tried, 1-64 queries over 16-2048 keys). bfloat16
+# per call (session 48, `benchmarks/cpu_attention.py`), the previous path (SDPA; its query heads folded past 384
+# keys) against explicit: one query at 256 keys 227 -> 124 us, at 2048 872 -> 485; 16 queries at 256 551 -> 407;
+# 17 at 1024 1860 -> 1432; 64 at 512 2937 -> 2420 (faster at every shape tried, 1-64 queries over 16-2048 keys;
+# SDPA's grouped path without the fold took 1.7-6.5 ms at 512-2048 keys for one query). bfloat16
 # stays on SDPA (explicit bf16 products were 1.3-8x slower on this AVX2 CPU), and so do causal calls (prompt
 # forwards: SDPA's flash kernel) and more queries.
 CPU_EXPLICIT_MAX_QUERIES = 64
