@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from medusa.attention import CPU_EXPLICIT_MAX_QUERIES, _attend_explicit
+from cpu_projection import median_ms
 
 SHAPES = ((1, 16), (1, 256), (1, 512), (1, 2048), (4, 256), (16, 128), (16, 256), (16, 512), (17, 1024),
           (48, 2048), (64, 512))
@@ -30,14 +30,9 @@ HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # the default model's
 
 
 def median_us(fn, repeats: int) -> float:
-    for _ in range(max(3, repeats // 10)):
+    for _ in range(max(2, repeats // 10)):  # warm-up beyond median_ms's one call
         fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e6
+    return median_ms(fn, repeats) * 1e3
 
 
 def tree_mask(t: int, s: int, generator: torch.Generator) -> torch.Tensor:
