@@ -5,19 +5,8 @@ import torch
 
 import medusa.decoding.paged_cache as paged_cache
 from medusa.attention import CausalAttention
-from medusa.config import ModelConfig
 from medusa.decoding.paged_cache import PagedKVCache, StepMetadata
-from medusa.loading import empty_model
-
-
-def tiny_model(layers: int = 3):
-    config = ModelConfig(model_type="llama", vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=layers,
-                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = empty_model(config, torch.float32, torch.device("cpu"))
-    for p in model.parameters():
-        p.data.normal_(0, 0.2)
-    return model.eval()
+from tiny_models import tiny_decoder
 
 
 def prompts_step(lengths: list[int], block_size: int, pad: int = 0) -> StepMetadata:
@@ -43,7 +32,7 @@ def prompts_step(lengths: list[int], block_size: int, pad: int = 0) -> StepMetad
 def test_a_step_plans_once_and_equals_dense_attention(monkeypatch, lengths, pad):
     """Sequences in consecutive blocks (read as a slice of the pool) and in reversed ones (gathered), one
     sequence owning every row of the step, and padding rows."""
-    model, block_size = tiny_model(), 4
+    (model, _), block_size = tiny_decoder(vocab=40, num_layers=3), 4
     plans = []
     real_plan = paged_cache.reference_plan
     monkeypatch.setattr(paged_cache, "reference_plan", lambda *a: plans.append(1) or real_plan(*a))
