@@ -17,11 +17,12 @@ finished sequences.
 With overlap (`EngineConfig.overlap`, on with CUDA graphs) a step is launched before the previous
 one is read back, and an admission waits for nothing either: a request's first token is
 decided on the device (argmax, or a draw for a sampled one), where the next step's tree starts from it,
-and reaches the host with the next step (`_FirstTokens`); only an admission with host work (a guide or bad
-words) reads it at once. A step with such rows is launched in two: its first half, then the previous step
-read back and applied, then their verdicts and the second half (`_launch`). With `apply_interval=k` the steps read back gather until k have,
-and each sequence's tokens of all of them are applied at once (`_apply_steps`): the host's counters then lag
-the device by up to k steps, which the blocks back as they back a step in flight.
+and reaches the host with the next step (`engine_admission.py`); only an admission with host work (a guide
+or bad words) reads it at once. A step with such rows is launched in two: its first half, then the previous
+step read back and applied, then their verdicts (`engine_host.py`) and the second half (`_launch`). With
+`apply_interval=k` the steps read back gather until k have, and each sequence's tokens of all of them are
+applied at once (`_apply_steps`): the host's counters then lag the device by up to k steps, which the blocks
+back as they back a step in flight.
 
 With `prompt_lookup=L`, every speculative tree also carries a chain of L nodes
 whose tokens copy what followed the latest earlier occurrence of the sequence's
@@ -43,17 +44,16 @@ import numpy as np
 import torch
 
 from medusa.decoding import warmup
-from medusa.decoding.batch_verify import sampled_targets
 from medusa.decoding.block_manager import BlockManager
 from medusa.decoding.detokenizer import prepare as prepare_text
-from medusa.decoding.decode_step import RowSampling
-from medusa.decoding.device_changes import MAX_BANNED, RowChanges
 from medusa.decoding.device_tree import DeviceTree
+from medusa.decoding.engine_admission import Admission, FirstTokens
 from medusa.decoding.engine_config import EngineConfig
+from medusa.decoding.engine_host import HostVerdicts
 from medusa.decoding.engine_request import (EngineRequest, cannot_stop, checked_params, is_token_id,
                                             make_detokenizer, prompt_token_ids, token_rules, until_stop_string)
-from medusa.decoding.host_buffers import PendingCopy, copy_to_host, to_device
-from medusa.decoding.logits_processing import batch_changes, penalize, suppress_eos, token_logprobs
+from medusa.decoding.host_buffers import PendingCopy
+from medusa.decoding.logits_processing import token_logprobs
 from medusa.decoding.model_runner import ModelRunner
 from medusa.decoding.outputs import EngineStats, RequestOutput, RequestStats, TokenLogprob
 from medusa.decoding.prefill_graphs import PromptSegment
@@ -61,7 +61,7 @@ from medusa.decoding.sampler import TokenSampler
 from medusa.decoding.sampling_params import SamplingParams
 from medusa.decoding.scheduler import ScheduledSeq, Scheduler, prefill_target
 from medusa.decoding.sequence import FinishReason, Sequence
-from medusa.decoding.step_logprobs import StepLogprobs, queue_first_logprobs, queue_step_logprobs
+from medusa.decoding.step_logprobs import StepLogprobs, queue_step_logprobs
 from medusa.decoding.token_guide import build_seconds
 from medusa.decoding.tree_policy import TreePolicy
 from medusa.heads import MedusaHeads
@@ -71,9 +71,6 @@ from medusa.tree import TreeSpec
 
 __all__ = ["EngineConfig", "LLMEngine", "stream"]
 
-# rows whose logit changes are made together (a guide, count penalties): [rows, N, V] float32 at a time, 63 MB
-# for 16 rows of a 20-node tree over a 49k vocabulary (a 128k one: 164 MB)
-HOST_CHUNK_ROWS = 16
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are computed at once (a 128k vocabulary: 128 MB in fp32)
 
 
@@ -106,18 +103,6 @@ class _InFlight:
     policy: TreePolicy | None = None  # the tree policy that chose its tree: its costs and acceptance go there
 
 
-@dataclass
-class _FirstTokens:
-    """First output tokens of admitted rows that need no host logic (greedy or sampled, with the logit
-    changes the device makes; their logprobs queued on the device too), decided on the device and read back a step
-    later, so an admission does not stall the overlapped steps (the next step decodes from the device's
-    roots)."""
-
-    requests: list[EngineRequest]
-    tokens: PendingCopy  # [n], one per request
-    logprobs: StepLogprobs | None = None  # theirs, for those that ask
-
-
 def _rows_by_request(flights: list[_InFlight]) -> list[tuple[EngineRequest, list[tuple[int, list[int]]]]]:
     """(request, [(step index, packed row), ...]) for every request of the read-back steps, in order of first
     appearance."""
@@ -131,7 +116,7 @@ def _rows_by_request(flights: list[_InFlight]) -> list[tuple[EngineRequest, list
     return list(grouped.values())
 
 
-class LLMEngine:
+class LLMEngine(Admission, HostVerdicts):
     def __init__(self, model: DecoderModel, heads: MedusaHeads | None, config: EngineConfig = EngineConfig(),
                  tokenizer: Any = None, eos_token_ids: Seq[int] = ()) -> None:
         self.model, self.heads, self.config, self.tokenizer = model, heads, config, tokenizer
@@ -182,7 +167,7 @@ class LLMEngine:
         self._inflight: _InFlight | None = None
         self._pending: list[_InFlight] = []  # read back, not applied yet (at most apply_interval - 1)
         self.apply_interval = config.apply_interval
-        self._first_tokens: list[_FirstTokens] = []  # admissions whose first tokens the host has not read
+        self._first_tokens: list[FirstTokens] = []  # admissions whose first tokens the host has not read
         self._read_back_time = 0.0  # `cost_clock` when the last overlapped step's tokens were read back
 
     # ---- public API ------------------------------------------------------
@@ -316,7 +301,8 @@ class LLMEngine:
         else:
             checked_params(params)  # raises, naming the type
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: "
+                             "give one, or one per prompt")
         params = [replace(checked_params(p), output_kind="final") for p in params]
         ids = []
         try:
@@ -488,33 +474,6 @@ class LLMEngine:
             outputs += self._apply_pending(ahead, ahead_nodes)
         return outputs
 
-    def _read_first_tokens(self) -> list[RequestOutput]:
-        """Append the deferred first tokens (`_start_decoding`), with stops and outputs. A request that stops at
-        its first token had a step launched for it already: that step's read-back skips it."""
-        outputs = []
-        for batch in self._first_tokens:
-            for request in batch.requests:
-                request.first_pending = False
-            tokens = batch.tokens.tolist()
-            noted = batch.logprobs.read([(1, [token]) for token in tokens]) if batch.logprobs is not None else {}
-            live = []
-            for j, (request, token) in enumerate(zip(batch.requests, tokens)):
-                if self.requests.get(request.seq.request_id) is request:  # not aborted meanwhile
-                    request.logprobs += noted.get(j, [])
-                    live.append((request, token))
-            outputs += self._emit_first_tokens(live)
-        self._first_tokens.clear()
-        return outputs
-
-    def _emit_first_tokens(self, pairs: list[tuple[EngineRequest, int]]) -> list[RequestOutput]:
-        """Append each request's first output token, with stops; the outputs of those that report it."""
-        outputs = []
-        for request, token in pairs:
-            emitted = self._append(request, [token])
-            if not request.quiet or request.seq.is_finished:
-                outputs.append(self._output(request, emitted))
-        return outputs
-
     def _read_back_inflight(self) -> None:
         """The overlapped step's packed rows to the host (waiting for the step), kept with the steps to apply."""
         flight, self._inflight = self._inflight, None
@@ -554,113 +513,6 @@ class LLMEngine:
                                            flight.propose)
             previous = flight.read_at
         self._read_back_time = applied_at
-
-    def _start_decoding(self, ready: list[tuple[EngineRequest, int]], hidden: torch.Tensor) -> list[RequestOutput]:
-        """Sequences whose prompt is now cached get a decode state row, their pending root and the
-        heads' proposals: one lm_head, one argmax, one sync and one heads call for all of them.
-
-        The root is the first output token, except after preemption, when it is already known.
-        """
-        last = hidden[to_device([i for _, i in ready], torch.long, self.device)]  # [n, H]
-        step = self.runner.decode
-        for request, _ in ready:
-            request.row = step.acquire_row()
-        self._set_changes(ready)
-        fresh = [k for k, (request, _) in enumerate(ready) if not request.seq.output_token_ids]
-        roots = [request.seq.output_token_ids[-1] if request.seq.output_token_ids else 0 for request, _ in ready]
-        deferred = None
-        if fresh:
-            at = to_device(fresh, torch.long, self.device)
-            raw = self.model.compute_logits(last[at])  # [f, V], kept for logprobs
-            chosen = self._first_changes([ready[k][0] for k in fresh], raw)  # with the device's logit changes
-            argmax = chosen.argmax(-1)  # [f]
-            if self.overlap and not any(self._needs_host(ready[k][0]) for k in fresh):
-                # the device keeps the roots (argmax, or a draw for sampled rows); the host reads them a step later
-                first = self._draw_first_tokens([ready[k][0] for k in fresh], chosen, argmax)
-                roots = to_device(roots, torch.long, self.device)
-                roots[at] = first
-                deferred = copy_to_host(first)
-                asks = {j: ready[k][0].params.logprobs for j, k in enumerate(fresh)
-                        if ready[k][0].params.logprobs is not None}
-                first_logprobs = queue_first_logprobs(raw, first, asks)
-                for k in fresh:
-                    ready[k][0].first_pending = True
-            else:
-                plain = [(r := ready[k][0]).sampling.greedy and not self._needs_host(r) and r.params.logprobs is None
-                         for k in fresh]  # the others' tokens, and any logprobs, are `_first_token`'s
-                argmax = argmax.tolist()  # the step's one sync for plain greedy rows
-                for j, k in enumerate(fresh):
-                    roots[k] = argmax[j] if plain[j] else self._first_token(ready[k][0], raw[j:j + 1])
-        # the heads' proposals only where the rows' next steps may speculate: on a 128k vocabulary they
-        # are an eager lm_head per admission, which a batch settled on plain decoding would not use
-        propose = self.traffic_policy().may_speculate(step.bucket(step.rows_in_use))
-        tokens = None
-        if step.max_lookup:  # the lookup history: every token before the root (a fresh row's root is new)
-            tokens = [(seq := request.seq).token_ids(0, prefill_target(seq)) for request, _ in ready]
-        bases = [request.seq.num_computed_tokens for request, _ in ready]
-        step.set_states([request.row for request, _ in ready], roots, bases, last, propose, tokens)
-        step.add_roots([request.row for request, _ in ready if self._device_counts(request)])
-        if deferred is not None:
-            self._first_tokens.append(_FirstTokens([ready[k][0] for k in fresh], deferred, first_logprobs))
-            return []
-        return self._emit_first_tokens([(ready[k][0], roots[k]) for k in fresh])
-
-    def _device_counts(self, request: EngineRequest) -> bool:
-        """Whether the device keeps the request's output counts (it makes its count penalties)."""
-        return request.params.has_count_penalties and not self._needs_host(request)
-
-    def _set_changes(self, ready: list[tuple[EngineRequest, int]]) -> None:
-        """Admitted rows whose logits the device changes, before their first token: a penalized row's counts
-        of its outputs before the root (`DecodeStep.add_roots` adds the root once in place) and the prompt
-        tokens a repetition penalty counts; a biased row's bias."""
-        requests = [r for r, _ in ready if (r.params.has_count_penalties or r.params.has_bias)
-                    and not self._needs_host(r)]
-        if not requests:
-            return
-        counted = [self._device_counts(r) for r in requests]
-        outputs = [r.seq.output_token_ids[:-1] if c else None for r, c in zip(requests, counted)]  # fresh: none yet
-        prompts = [r.seq.prompt_token_ids if c and r.params.repetition_penalty != 1 else []
-                   for r, c in zip(requests, counted)]
-        self.runner.decode.changes.set_rows([r.row for r in requests], outputs, prompts,
-                                            [r.params.logit_bias or None for r in requests],
-                                            [r.params.allowed_token_ids for r in requests])
-
-    def _first_changes(self, requests: list[EngineRequest], raw: torch.Tensor) -> torch.Tensor:
-        """Fresh rows' first-token logits raw [f, V] with the changes the device makes for them (bias, the
-        repetition penalty's prompt tokens, the min_tokens ban), or raw itself where none has any."""
-        changes = [self._row_changes(r) for r in requests]
-        if not any(changes):
-            return raw
-        return self.runner.decode.changes.first(raw, [r.row for r in requests], changes)
-
-    def _draw_first_tokens(self, requests: list[EngineRequest], raw: torch.Tensor,
-                           argmax: torch.Tensor) -> torch.Tensor:
-        """Output token 0 of fresh requests that need no host logic, on the device: `argmax` [f] for greedy
-        ones, for sampled ones a draw from raw logits [f, V] as a decode step draws its targets
-        (`sampled_targets`: for a seeded request the host sampler's draw, with output 0's uniform)."""
-        sampled = [j for j, request in enumerate(requests) if not request.sampling.greedy]
-        if not sampled:
-            return argmax
-        rows = [self._row_sampling(requests[j], None) for j in sampled]
-        at = to_device(sampled, torch.long, self.device)
-        # to_device, not torch.tensor(device=...): a copy from pageable memory would wait for the queued steps
-        drawn = sampled_targets(
-            raw[at][:, None, :], to_device([r.temperature for r in rows], torch.float32, self.device),
-            to_device([r.top_k for r in rows], torch.long, self.device),
-            to_device([r.top_p for r in rows], torch.float32, self.device),
-            to_device([r.min_p for r in rows], torch.float32, self.device),
-            to_device(np.array([r.uniforms[:1] for r in rows]), torch.float64, self.device),
-            filtered=any(r.filters for r in rows))  # [s, 1]
-        return argmax.index_copy(0, at, drawn[:, 0])
-
-    def _first_token(self, request: EngineRequest, raw: torch.Tensor) -> int:
-        """Output token 0 from raw logits [1, V], with penalties, the min_tokens ban, sampling, logprobs."""
-        logits = self._suppress_eos(request, self._penalize(request, raw), torch.zeros(1, device=self.device))
-        sampling = request.sampling
-        first = torch.zeros(1, dtype=torch.long, device=self.device)  # output index 0
-        root = logits[0].argmax() if sampling.greedy else request.sampler(logits, sampling, first)[0]
-        self._note_logprobs(request, raw, [int(root)])
-        return int(root)
 
     def _decode(self, seqs: list[Sequence], tree: DeviceTree, timed: bool = True,
                 prompts: PromptSegment | None = None) -> tuple[list[RequestOutput], torch.Tensor | None]:
@@ -771,62 +623,6 @@ class LLMEngine:
         if bests and spec.num_nodes > 1:
             policy.observe_subtrees(spec, np.asarray(bests, dtype=np.int64))
 
-    def _host_rows(self, requests: list[EngineRequest]) -> list[int]:
-        """The rows of a step's requests whose verdicts are the host's, as the step was prepared (a row under a
-        min_tokens ban the device cannot hold stays the host's for the step, whatever the host learns meanwhile:
-        its sampling settings did not go up)."""
-        return [i for i, request in enumerate(requests) if self._needs_host(request)]
-
-    def _verify_on_host(self, requests: list[EngineRequest], tree: DeviceTree, part1, host: list[int],
-                        early: PendingCopy | None = None) -> None:
-        """Verdicts for rows `host` the device rules cannot decide (guides, bad words): each such row's node
-        targets from its own changed logits (the argmax, or its sampler's draw), then one batched verdict for
-        them all on the device, over the device's own. Rows whose changes can be made together (`batchable`)
-        are, HOST_CHUNK_ROWS at a time, their guides walked from the candidates copied ahead of part 1
-        (`early`, `DecodeStep.candidates_to_host`): nothing they do waits for part 1, whose forward the
-        walk overlaps. The step's packed copy carries these verdicts with the others. The host knows each
-        row's output up to the step's root."""
-        if not host:
-            return
-        n = tree.num_nodes
-        together = [i for i in host if requests[i].batchable]
-        alone = [i for i in host if not requests[i].batchable]
-        tokens = early.tolist() if early is not None and together else None  # waits for the copy alone
-        targets = [self._batch_targets(requests, together[at:at + HOST_CHUNK_ROWS], tree, part1, tokens)
-                   for at in range(0, len(together), HOST_CHUNK_ROWS)]
-        targets += [self._host_targets(requests[i], tree, part1.logits[i * n:(i + 1) * n], part1.candidates[i])[None]
-                    for i in alone]
-        self.runner.decode.override(tree, together + alone, part1.candidates, torch.cat(targets))
-
-    def _batch_targets(self, requests: list[EngineRequest], rows: list[int], tree: DeviceTree,
-                       part1, tokens: list[list[int]] | None = None) -> torch.Tensor:
-        """Batchable rows' logit changes made at once (`batch_changes`) -> their node targets [G, N]: one argmax
-        for them all, then a sampled row's draws, or a row's under the min_tokens ban, row by row. tokens: the
-        step's candidates on the host, per batch row, if copied."""
-        n, at = tree.num_nodes, to_device(rows, torch.long, self.device)
-        asked = [requests[i] for i in rows]
-        logits = batch_changes(part1.logits.view(-1, n, part1.logits.shape[-1])[at], [r.params for r in asked],
-                               [r.rules for r in asked], [r.seq.output_token_ids for r in asked],
-                               [r.seq.prompt_token_ids for r in asked], tree, part1.candidates[at],
-                               [tokens[i] for i in rows] if tokens is not None else None)  # [G, N, V]
-        targets = logits.argmax(-1)  # [G, N]
-        for g, request in enumerate(asked):
-            if not request.sampling.greedy or request.seq.num_output_tokens < request.eos_banned_until:
-                targets[g] = self._host_targets(request, tree, None, None, changed=logits[g])
-        return targets
-
-    def _host_targets(self, request: EngineRequest, tree: DeviceTree, raw: torch.Tensor, candidates: torch.Tensor,
-                      changed: torch.Tensor | None = None) -> torch.Tensor:
-        """raw [N, V] logits at a row's nodes -> each node's target [N] after the request's logit changes (given as
-        `changed` where they are done already): the argmax, or its sampler's draw for output number (the output
-        so far) + depth (as `verifier.verify`)."""
-        if changed is None:
-            changed = self._penalize(request, raw, tree, candidates)
-        logits = self._suppress_eos(request, changed, tree.depths)
-        if request.sampling.greedy:
-            return logits.argmax(-1)
-        return request.sampler(logits, request.sampling, request.seq.num_output_tokens + tree.depths)
-
     @staticmethod
     def _queue_logprobs(requests: list[EngineRequest], tree: DeviceTree, part1,
                         packed: torch.Tensor) -> StepLogprobs | None:
@@ -843,44 +639,6 @@ class LLMEngine:
             return {}
         emitted = [(row[0], row[1:]) for row in packed]
         return {requests[i].seq: noted for i, noted in logprobs.read(emitted).items()}
-
-    def _needs_host(self, request: EngineRequest) -> bool:
-        """Whether the request's rows need the host's verdict: logit changes the device does not make (guides,
-        guided choices, bad words), or a min_tokens ban of more end tokens than it holds. Its first token too."""
-        return request.host_always or (request.seq.num_output_tokens < request.eos_banned_until
-                                       and len(request.stop_ids) > MAX_BANNED)
-
-    def _row_changes(self, request: EngineRequest) -> RowChanges | None:
-        """The bias, count penalties and min_tokens ban the device makes for a row the host does not decide
-        (None: none). The ban's bound counts from the host's output count, as the device's root window does."""
-        if not request.device_changes or self._needs_host(request):  # most rows: one attribute read
-            return None
-        params = request.params
-        ban_left = request.eos_banned_until - request.seq.num_output_tokens - request.first_pending
-        banned = tuple(sorted(request.stop_ids)) if ban_left > 0 else ()
-        if not (params.has_count_penalties or banned or params.has_bias):
-            return None
-        return RowChanges(params.frequency_penalty, params.presence_penalty, params.repetition_penalty,
-                          ban_left, banned, params.has_bias)
-
-    def _row_sampling(self, request: EngineRequest, tree: DeviceTree | None) -> RowSampling | None:
-        """Device-side sampling settings for a sampling row the host does not handle; None otherwise.
-
-        Node i's target is output number num_output_tokens + (tokens of steps in flight) + depth(i);
-        its uniform is the one the host sampler would use there. The heads' proposals for the next
-        step reach as many positions further (`DecodeStep._coupled_proposals`), up to the device
-        buffer's width. A first token drawn on the device and not read back yet counts as an output.
-        tree=None: the first token's own draw (one uniform).
-        """
-        sampling = request.sampling
-        if sampling.greedy or self._needs_host(request):
-            return None
-        # from the host's output count on: the steps in flight (up to M tokens) come before this one's
-        step = self.runner.decode
-        reach = request.seq.num_inflight_tokens + tree.spec.max_depth + 1 + step.num_heads if tree is not None else 1
-        start = request.seq.num_output_tokens + request.first_pending
-        uniforms = request.sampler.window(start, min(reach, step.uniforms.shape[1]))
-        return RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, uniforms, sampling.min_p)
 
     # ---- helpers ---------------------------------------------------------
 
@@ -914,20 +672,6 @@ class LLMEngine:
             self.scheduler.finish(seq)
             self._release_row(request)
         return kept
-
-    def _suppress_eos(self, request: EngineRequest, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        banned = sorted(request.stop_ids)  # empty with ignore_eos, when suppress_eos bans nothing anyway
-        return suppress_eos(request.params, request.seq.num_output_tokens, banned, logits, depths)
-
-    def _penalize(self, request: EngineRequest, logits: torch.Tensor, tree: DeviceTree | None = None,
-                  candidates: torch.Tensor | None = None) -> torch.Tensor:
-        return penalize(request.params, request.seq.output_token_ids, logits, tree, candidates,
-                        request.seq.prompt_token_ids, request.rules)
-
-    def _note_logprobs(self, request: EngineRequest, logits: torch.Tensor, tokens: list[int]) -> None:
-        """logits [n, V]: row i is the distribution tokens[i] was drawn from."""
-        if request.params.logprobs is not None:
-            request.logprobs += token_logprobs(logits, tokens, request.params.logprobs)
 
     def _note_prompt_logprobs(self, prefills: list[ScheduledSeq], batch, hidden: torch.Tensor) -> None:
         """Prompt logprobs from the hidden states [T, H] of the chunks just run, for requests that ask: the
