@@ -6,7 +6,7 @@ read back a step later (`FirstTokens`), so an admission does not stall the overl
 with host work (a guide, bad words) has it decided on the host at once.
 
 `Admission` is a part of `LLMEngine` (a mixin): it reads the engine's `runner`, `model`, `device`,
-`overlap` and `_first_tokens`, and appends through `_append` / `_output`.
+`overlap`, `requests`, `_first_tokens` and `traffic_policy()`, and appends through `_append` / `_output`.
 """
 
 from __future__ import annotations
