@@ -7,7 +7,7 @@ finished request equals the same request run alone on a plain engine (seeded sam
 with or without heads), that a guided output that ended matches its pattern, that streamed tokens add up to the
 final output, and that the pool ends all free.
 Session 49 ran 750 such seeds outside the suite (300 of them: 2,580 requests, 239 aborted, 1,223
-preemptions, 15,674 tree steps) and found nothing; a check that could not fail there is mutation-tested: with
+preemptions, 15,674 tree steps) and found nothing. The checks do fail on a broken engine: with
 the host's guide verdicts switched off, or a step's tokens cut to 3, 4 or 3 of the 8 seeds here fail.
 """
 
