@@ -82,7 +82,7 @@ def random_params(rng: random.Random) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def random_engine(rng: random.Random, heads) -> tuple[EngineConfig, bool]:
+def random_engine(rng: random.Random) -> tuple[EngineConfig, bool]:
     block = rng.choice([4, 16])
     config = EngineConfig(
         num_blocks=rng.choice([10, 16, 24, 48, 400]) * (4 if block == 4 else 1), block_size=block,
@@ -134,7 +134,7 @@ def alone(model, config, overlap, prompt, params):
 def test_random_mixes_match_each_request_alone_on_a_plain_engine(tiny, seed):
     model, heads = tiny
     rng = random.Random(seed)
-    config, overlap = random_engine(rng, heads)
+    config, overlap = random_engine(rng)
     shared = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 40))]
     prompts = [(shared if rng.random() < 0.5 else []) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
                for _ in range(rng.randint(3, 14))]
